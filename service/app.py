@@ -1,0 +1,172 @@
+"""The FastAPI application. Built by ``create_app`` from settings at the entry point; nothing
+here touches a database or TensorFlow at import time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.db import Database
+from service.deps import TokenCache
+from service.errors import HalfwayError
+from service.routes import history, jobs, meta
+from service.schemas import LEGACY_AMP_ENV
+from service.settings import Settings
+
+log = logging.getLogger("halfway.api")
+
+# Pydantic puts a discriminated union's tag in an error's location (data.synthetic.samples);
+# users wrote data.samples, so the tag is dropped.
+_UNION_TAGS = {"mlp", "cnn", "transformer", "keras", "synthetic", "npz"}
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    parts = list(loc)
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    cleaned: list[str] = []
+    for i, part in enumerate(parts):
+        if i > 0 and parts[i - 1] in ("model", "data") and part in _UNION_TAGS:
+            continue
+        cleaned.append(str(part))
+    return ".".join(cleaned)
+
+
+def _validation_fields(exc: RequestValidationError) -> list[dict[str, str]]:
+    fields = []
+    for err in exc.errors():
+        field = _field_path(tuple(err.get("loc", ())))
+        if err.get("type") == "legacy_env_var":
+            field = LEGACY_AMP_ENV
+        message = str(err.get("msg", "invalid"))
+        fields.append({"field": field or "body", "rule": str(err.get("type")), "message": message})
+    return fields
+
+
+def _error(
+    status: int, code: str, message: str, fields: list[dict[str, str]] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": code, "message": message, "fields": fields or []}, status_code=status
+    )
+
+
+class BodySizeLimit:
+    """Refuse a body over the limit with 413 before anything parses it, whether or not the
+    client sent Content-Length."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._reject(send)
+                return
+        seen = 0
+        too_large = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    too_large = True
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        response = _error(413, "payload_too_large", f"request body exceeds {self.max_bytes} bytes")
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": response.body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(
+    settings: Settings,
+    db: Database,
+    *,
+    auth: bool = True,
+    on_startup: Callable[[], None] | None = None,
+    on_shutdown: Callable[[], None] | None = None,
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if on_startup is not None:
+            on_startup()
+        try:
+            yield
+        finally:
+            if on_shutdown is not None:
+                on_shutdown()
+
+    app = FastAPI(
+        title="Halfway",
+        version="1",
+        description="Mixed-precision Keras training as a service, with every step's loss "
+        "scale on record.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.db = db
+    app.state.auth = auth
+    app.state.token_cache = TokenCache()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        fields = _validation_fields(exc)
+        summary = "; ".join(f"{f['field']}: {f['message']}" for f in fields[:5])
+        return _error(422, "validation_error", summary, fields)
+
+    @app.exception_handler(HalfwayError)
+    async def _domain(_: Request, exc: HalfwayError) -> JSONResponse:
+        fields = None
+        field = getattr(exc, "field", None)
+        if field is not None:
+            fields = [{"field": field, "rule": getattr(exc, "rule", ""), "message": exc.detail}]  # type: ignore[attr-defined]
+        response = _error(exc.status_code, exc.code, exc.message, fields)
+        if exc.status_code == 401:
+            response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, "http_error", str(exc.detail))
+
+    @app.exception_handler(OperationalError)
+    async def _database_down(_: Request, exc: OperationalError) -> JSONResponse:
+        log.warning("database unavailable: %s", exc.orig)
+        return _error(503, "database_unavailable", "the database is unavailable; retry shortly")
+
+    app.include_router(jobs.router)
+    app.include_router(history.router)
+    app.include_router(meta.router)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,231 @@
+"""The ``halfway`` command: run the server and workers, manage the database and users."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import sys
+import threading
+from typing import Annotated
+
+import typer
+
+from service import auth, migrate
+from service.db import Database
+from service.settings import Settings
+
+app = typer.Typer(
+    help="Halfway: mixed-precision Keras training as a service.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
+users_app = typer.Typer(help="Users and API tokens.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(users_app, name="users")
+
+log = logging.getLogger("halfway")
+
+
+def _setup_logging(json_logs: bool = False) -> None:
+    from service.logs import configure
+
+    configure(json_logs)
+
+
+def _database(settings: Settings) -> Database:
+    settings.ensure_dirs()
+    return Database.connect(settings.resolved_database_url())
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8000).")] = None,
+    worker: Annotated[
+        bool, typer.Option("--worker/--no-worker", help="Run an embedded worker.")
+    ] = True,
+    no_auth: Annotated[
+        bool,
+        typer.Option("--no-auth", help="No tokens at all. Only allowed on a loopback address."),
+    ] = False,
+    json_logs: Annotated[bool, typer.Option("--json-logs", help="Structured JSON logs.")] = False,
+) -> None:
+    """Run the API (and, by default, an embedded worker), applying migrations first."""
+    import uvicorn
+
+    from service.app import create_app
+    from workers.supervisor import Supervisor
+
+    _setup_logging(json_logs)
+    settings = Settings()
+    if host is not None:
+        settings.host = host
+    if port is not None:
+        settings.port = port
+    if no_auth and not _is_loopback(settings.host):
+        typer.echo(
+            f"refusing --no-auth on {settings.host}: without tokens anyone who can reach the "
+            "port can submit and cancel jobs. Bind to 127.0.0.1 or use tokens.",
+            err=True,
+        )
+        raise typer.Exit(2)
+    db = _database(settings)
+    migrate.upgrade(db.engine)
+    base = f"http://{settings.host}:{settings.port}"
+    if no_auth:
+        typer.secho(
+            "WARNING: authentication is OFF (--no-auth). Every request acts as admin 'local'. "
+            "This is only safe because the server listens on loopback.",
+            fg=typer.colors.RED,
+            bold=True,
+            err=True,
+        )
+    else:
+        with db.write() as session:
+            first = not auth.any_users(session)
+            token = auth.add_user(session, "admin", admin=True) if first else None
+        if token is not None:
+            typer.echo(
+                "\nNo users yet, so Halfway created an admin. Its token is shown only now:\n\n"
+                f"    {token}\n\n"
+                f"Dashboard: {base}/?token={token}\n"
+                f"API:       curl -H 'Authorization: Bearer {token}' {base}/v1/jobs\n"
+                "More users: halfway users add NAME [--admin]\n",
+                err=True,
+            )
+
+    supervisor = Supervisor(db, settings) if worker else None
+    thread: threading.Thread | None = None
+
+    def start() -> None:
+        nonlocal thread
+        if supervisor is not None:
+            thread = threading.Thread(
+                target=supervisor.run_forever, name="halfway-worker", daemon=True
+            )
+            thread.start()
+
+    def stop() -> None:
+        if supervisor is not None and thread is not None:
+            supervisor.stop()
+            # The running job's child gets SIGTERM, checkpoints and goes back to the queue.
+            thread.join(timeout=settings.cancel_grace_seconds + 15)
+
+    api = create_app(settings, db, auth=not no_auth, on_startup=start, on_shutdown=stop)
+    typer.echo(f"Halfway on {base} (docs: {base}/docs)", err=True)
+    uvicorn.run(api, host=settings.host, port=settings.port, log_level="info", log_config=None)
+
+
+@app.command()
+def worker(
+    gpus: Annotated[
+        str | None,
+        typer.Option(help="GPU ids (0,1,...) or 'all'; one supervisor per GPU. Default: CPU."),
+    ] = None,
+    gpus_per_slot: Annotated[
+        int, typer.Option(help="GPUs each supervisor holds (for multi-GPU jobs).")
+    ] = 1,
+    json_logs: Annotated[bool, typer.Option("--json-logs", help="Structured JSON logs.")] = False,
+) -> None:
+    """Run worker supervisors (no API) against the configured database."""
+    from workers.gpus import parse_gpus, slots
+    from workers.supervisor import Supervisor, new_worker_id
+
+    _setup_logging(json_logs)
+    settings = Settings()
+    db = _database(settings)
+    migrate.upgrade(db.engine)
+    try:
+        gpu_ids = parse_gpus(gpus)
+        groups = slots(gpu_ids, gpus_per_slot)
+    except ValueError as exc:
+        typer.echo(f"--gpus: {exc}", err=True)
+        raise typer.Exit(2) from None
+    supervisors = [
+        Supervisor(db, settings, gpu_ids=group, worker_id=new_worker_id(f"s{i}"))
+        for i, group in enumerate(groups)
+    ]
+    threads = [
+        threading.Thread(target=s.run_forever, name=f"halfway-worker-{i}", daemon=True)
+        for i, s in enumerate(supervisors)
+    ]
+    for t in threads:
+        t.start()
+    stopping = threading.Event()
+
+    import signal
+
+    def _stop(*_: object) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    stopping.wait()
+    log.info("stopping: running jobs checkpoint and go back to the queue")
+    for s in supervisors:
+        s.stop()
+    for t in threads:
+        t.join(timeout=settings.cancel_grace_seconds + 15)
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: str = "head") -> None:
+    """Apply migrations (to the newest revision by default)."""
+    settings = Settings()
+    db = _database(settings)
+    migrate.upgrade(db.engine, revision)
+    typer.echo(f"database at {revision}: {db.engine.url.render_as_string(hide_password=True)}")
+
+
+@users_app.command("add")
+def users_add(
+    name: str,
+    admin: Annotated[bool, typer.Option("--admin", help="Give the admin role.")] = False,
+) -> None:
+    """Create a user and print its token (shown once; only a hash is stored)."""
+    from service.errors import Conflict
+
+    settings = Settings()
+    db = _database(settings)
+    migrate.upgrade(db.engine)
+    try:
+        with db.write() as session:
+            token = auth.add_user(session, name, admin=admin)
+    except Conflict as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(token)
+
+
+@users_app.command("token")
+def users_token(name: str) -> None:
+    """Replace a user's token with a new one and print it."""
+    from service.errors import Conflict
+
+    settings = Settings()
+    db = _database(settings)
+    try:
+        with db.write() as session:
+            token = auth.rotate_token(session, name)
+    except Conflict as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(token)
+
+
+def main() -> None:
+    app(prog_name="halfway")
+
+
+if __name__ == "__main__":
+    main()

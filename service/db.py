@@ -1,0 +1,105 @@
+"""Engine and session factories for SQLite and PostgreSQL.
+
+SQLite needs care to behave under several writers (API requests, a worker writing history):
+- WAL so readers never block the writer, and a busy timeout so writers queue instead of failing;
+- pysqlite's own transaction handling is switched off and we emit BEGIN ourselves, because a
+  deferred transaction that reads and then writes can fail with SQLITE_BUSY without waiting
+  (its snapshot is stale). Write sessions therefore start with ``BEGIN IMMEDIATE``, which takes
+  the write lock up front and waits for it (the design's claim transaction needs exactly this).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+_BEGIN_OPTION = "halfway_sqlite_begin"
+
+
+def normalize_url(url: str) -> str:
+    """Accept the ``postgresql://`` form people copy from psql and use psycopg 3 for it."""
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+def make_engine(url: str, *, pool_size: int = 10) -> Engine:
+    url = normalize_url(url)
+    if url.startswith("sqlite"):
+        engine = create_engine(
+            url,
+            connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+            # One connection per checkout: SQLite connections are cheap and a pool would keep
+            # WAL readers pinned to old snapshots.
+            poolclass=NullPool,
+        )
+        _configure_sqlite(engine)
+        return engine
+    return create_engine(url, pool_size=pool_size, max_overflow=20, pool_pre_ping=True)
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # we emit BEGIN ourselves (see module doc)
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        mode = conn.get_execution_options().get(_BEGIN_OPTION, "DEFERRED")
+        conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+def is_sqlite(engine: Engine) -> bool:
+    return engine.dialect.name == "sqlite"
+
+
+@dataclass(frozen=True)
+class Database:
+    """The engine and two session factories: plain (reads), and write (BEGIN IMMEDIATE on
+    SQLite)."""
+
+    engine: Engine
+    sessions: sessionmaker[Session]
+    write_sessions: sessionmaker[Session]
+
+    @classmethod
+    def connect(cls, url: str) -> Database:
+        engine = make_engine(url)
+        write_bind = engine.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+        return cls(
+            engine=engine,
+            sessions=sessionmaker(bind=engine, expire_on_commit=False),
+            write_sessions=sessionmaker(bind=write_bind, expire_on_commit=False),
+        )
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """A write transaction: committed on success, rolled back on any exception."""
+        with self.write_sessions() as session, session.begin():
+            yield session
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        with self.sessions() as session, session.begin():
+            yield session
+
+    def dispose(self) -> None:
+        self.engine.dispose()

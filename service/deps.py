@@ -1,0 +1,83 @@
+"""FastAPI dependencies: the database, one session per request, and the caller's identity."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+
+from service.auth import LOCAL_PRINCIPAL, Principal, authenticate, hash_token
+from service.db import Database
+from service.errors import Unauthorized
+from service.settings import Settings
+
+
+def get_db(request: Request) -> Database:
+    db: Database = request.app.state.db
+    return db
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def read_session(db: Annotated[Database, Depends(get_db)]) -> Iterator[Session]:
+    with db.sessions() as session:
+        yield session
+
+
+def write_session(db: Annotated[Database, Depends(get_db)]) -> Iterator[Session]:
+    """A session whose transaction starts with BEGIN IMMEDIATE on SQLite. The route commits
+    before it responds, so a client that got a 2xx can always read what it wrote."""
+    with db.write_sessions() as session:
+        yield session
+
+
+def current_principal(request: Request, db: Annotated[Database, Depends(get_db)]) -> Principal:
+    if not request.app.state.auth:
+        return LOCAL_PRINCIPAL
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
+    cache: TokenCache = request.app.state.token_cache
+    key = hash_token(token.strip())
+    principal = cache.get(key)
+    if principal is None:
+        with db.sessions() as session:
+            principal = authenticate(session, token.strip())
+        if principal is None:
+            raise Unauthorized("invalid token")
+        cache.put(key, principal)
+    return principal
+
+
+class TokenCache:
+    """Recently verified tokens (by hash), so a dashboard polling every second does not cost a
+    user lookup per request. A removed user's token stops working within ``ttl`` seconds."""
+
+    def __init__(self, ttl: float = 30.0, size: int = 1024) -> None:
+        self.ttl, self.size = ttl, size
+        self._items: dict[str, tuple[float, Principal]] = {}
+
+    def get(self, key: str) -> Principal | None:
+        item = self._items.get(key)
+        if item is None or time.monotonic() - item[0] > self.ttl:
+            return None
+        return item[1]
+
+    def put(self, key: str, principal: Principal) -> None:
+        if len(self._items) >= self.size:
+            self._items.clear()
+        self._items[key] = (time.monotonic(), principal)
+
+
+SessionDep = Annotated[Session, Depends(read_session)]
+WriteSessionDep = Annotated[Session, Depends(write_session)]
+DbDep = Annotated[Database, Depends(get_db)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+PrincipalDep = Annotated[Principal, Depends(current_principal)]

@@ -1,0 +1,50 @@
+"""Domain exceptions raised below the routes; ``service.app`` maps each to one HTTP status."""
+
+from __future__ import annotations
+
+
+class HalfwayError(Exception):
+    status_code = 400
+    code = "bad_request"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class SpecError(HalfwayError):
+    """A spec that is well-formed JSON but breaks a rule that needs context (limits, paths)."""
+
+    status_code = 422
+    code = "validation_error"
+
+    def __init__(self, field: str, rule: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.rule = rule
+        self.detail = message
+
+
+class NotFound(HalfwayError):
+    status_code = 404
+    code = "not_found"
+
+
+class Conflict(HalfwayError):
+    status_code = 409
+    code = "conflict"
+
+
+class Unauthorized(HalfwayError):
+    status_code = 401
+    code = "unauthorized"
+
+
+class Forbidden(HalfwayError):
+    status_code = 403
+    code = "forbidden"
+
+
+class PayloadTooLarge(HalfwayError):
+    status_code = 413
+    code = "payload_too_large"

@@ -1,0 +1,36 @@
+"""ETags for polled resources: a dashboard sends If-None-Match and gets an empty 304 while
+nothing changed, which saves the body's bytes and the client's parsing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from fastapi import Request, Response
+from pydantic import BaseModel
+
+
+def etag_of(body: bytes) -> str:
+    return '"' + hashlib.blake2b(body, digest_size=16).hexdigest() + '"'
+
+
+def _matches(header: str | None, etag: str) -> bool:
+    if not header:
+        return False
+    if header.strip() == "*":
+        return True
+    candidates = [c.strip().removeprefix("W/") for c in header.split(",")]
+    return etag in candidates
+
+
+def etag_response(
+    request: Request, model: BaseModel, *, media_type: str = "application/json"
+) -> Response:
+    body = json.dumps(
+        model.model_dump(mode="json"), separators=(",", ":"), allow_nan=False
+    ).encode()
+    etag = etag_of(body)
+    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    if _matches(request.headers.get("if-none-match"), etag):
+        return Response(status_code=304, headers=headers)
+    return Response(content=body, media_type=media_type, headers=headers)

@@ -1,0 +1,317 @@
+"""The job state machine. Every transition is one guarded UPDATE whose rowcount (or RETURNING
+row) says whether it happened, so two actors racing on one job never both win.
+
+queued -> running (claim) -> succeeded | failed | cancelled
+queued -> cancelled (cancel before a worker took it)
+running -> queued (retry after a crash, or a worker shutting down)
+running (lease expired) -> running again under another worker (reclaim), up to max_attempts
+
+Functions take a Session and flush; the caller owns the transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.orm import Session, aliased
+
+from service.errors import Conflict, NotFound
+from service.models import FINISHED_STATUSES, Job
+from service.schemas import SubmitResult
+
+
+def create_job(
+    session: Session,
+    *,
+    owner: str,
+    submitted: SubmitResult,
+    now: datetime,
+    idempotency_key: str | None = None,
+    body_hash: str | None = None,
+    sweep_id: int | None = None,
+) -> Job:
+    spec = submitted.spec
+    gpus = spec.resources.gpus
+    job = Job(
+        owner=owner,
+        name=spec.name or "job",
+        status="queued",
+        spec=spec.model_dump(mode="json"),
+        warnings=submitted.warnings,
+        notes=submitted.notes,
+        priority=spec.priority,
+        gpus=None if gpus == "auto" else gpus,
+        attempt=0,
+        max_attempts=spec.max_attempts,
+        cancel_requested=False,
+        attempt_errors=[],
+        idempotency_key=idempotency_key,
+        body_hash=body_hash,
+        sweep_id=sweep_id,
+        created_at=now,
+        updated_at=now,
+        overflow_count=0,
+        growth_count=0,
+        backoff_count=0,
+        nonfinite_loss_count=0,
+        metrics={},
+        precision_report=[],
+        forensics=[],
+        device={},
+    )
+    session.add(job)
+    session.flush()
+    return job
+
+
+def get_job(session: Session, job_id: int) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise NotFound(f"job {job_id} does not exist")
+    return job
+
+
+def find_by_idempotency_key(session: Session, owner: str, key: str) -> Job | None:
+    return session.scalars(
+        select(Job).where(Job.owner == owner, Job.idempotency_key == key)
+    ).one_or_none()
+
+
+def list_jobs(
+    session: Session,
+    *,
+    status: str | None = None,
+    owner: str | None = None,
+    before_id: int | None = None,
+    limit: int = 50,
+) -> tuple[list[Job], int | None]:
+    """Newest first; the cursor is the last id of the page (ids only grow)."""
+    query = select(Job).order_by(Job.id.desc()).limit(limit + 1)
+    if status is not None:
+        query = query.where(Job.status == status)
+    if owner is not None:
+        query = query.where(Job.owner == owner)
+    if before_id is not None:
+        query = query.where(Job.id < before_id)
+    rows = list(session.scalars(query))
+    next_cursor = rows[limit - 1].id if len(rows) > limit else None
+    return rows[:limit], next_cursor
+
+
+def request_cancel(session: Session, job_id: int, now: datetime) -> Job:
+    """Cancel a queued job at once; ask a running one's worker to stop it."""
+    done = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == "queued")
+        .values(status="cancelled", finished_at=now, updated_at=now, cancel_requested=True)
+    )
+    if done.rowcount == 0:  # type: ignore[attr-defined]
+        session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.status == "running")
+            .values(cancel_requested=True, updated_at=now)
+        )
+    session.flush()
+    job = get_job(session, job_id)
+    session.refresh(job)
+    if job.status in FINISHED_STATUSES and not (job.status == "cancelled" and job.cancel_requested):
+        raise Conflict(f"job {job_id} already finished: {job.status}")
+    return job
+
+
+def set_priority(session: Session, job_id: int, priority: int, now: datetime) -> Job:
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == "queued")
+        .values(priority=priority, updated_at=now)
+    )
+    job = get_job(session, job_id)
+    if result.rowcount == 0:  # type: ignore[attr-defined]
+        raise Conflict(f"job {job_id} is {job.status}; only a queued job's priority can change")
+    session.refresh(job)
+    return job
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side
+
+
+@dataclass(frozen=True)
+class Claim:
+    job_id: int
+    attempt: int
+    spec: dict[str, Any]
+    checkpoint_step: int | None
+
+
+def _claimable(now: datetime) -> Any:
+    return or_(
+        Job.status == "queued",
+        and_(
+            Job.status == "running",
+            Job.lease_expires_at < now,
+            Job.attempt < Job.max_attempts,
+            Job.cancel_requested.is_(False),
+        ),
+    )
+
+
+def claim_next(
+    session: Session,
+    *,
+    worker_id: str,
+    now: datetime,
+    lease_seconds: float,
+    gpus_held: int,
+    max_running_per_user: int = 0,
+    skip_locked: bool = True,
+) -> Claim | None:
+    """Claim the next job: highest priority, then the owner with the fewest running jobs,
+    then the oldest. Expired leases are reclaimed by the same query.
+
+    On PostgreSQL the candidate row is locked with FOR UPDATE SKIP LOCKED so concurrent
+    workers pick different jobs; SQLite ignores FOR UPDATE, so the caller runs this in a
+    BEGIN IMMEDIATE transaction (``Database.write``), which serializes claims.
+    """
+    other = aliased(Job)
+    running_for_owner = (
+        select(func.count())
+        .where(
+            other.owner == Job.owner,
+            other.status == "running",
+            other.lease_expires_at >= now,
+        )
+        .correlate(Job)
+        .scalar_subquery()
+    )
+    candidate = (
+        select(Job.id)
+        .where(_claimable(now), or_(Job.gpus.is_(None), Job.gpus <= gpus_held))
+        .order_by(Job.priority.desc(), running_for_owner, Job.created_at, Job.id)
+        .limit(1)
+    )
+    if max_running_per_user > 0:
+        candidate = candidate.where(running_for_owner < max_running_per_user)
+    if skip_locked:
+        candidate = candidate.with_for_update(skip_locked=True, of=Job)
+    row = session.execute(
+        update(Job)
+        .where(Job.id == candidate.scalar_subquery(), _claimable(now))
+        .values(
+            status="running",
+            worker_id=worker_id,
+            lease_expires_at=now + timedelta(seconds=lease_seconds),
+            attempt=Job.attempt + 1,
+            started_at=func.coalesce(Job.started_at, now),
+            updated_at=now,
+        )
+        .returning(Job.id, Job.attempt, Job.spec, Job.checkpoint_step)
+        .execution_options(synchronize_session=False)
+    ).one_or_none()
+    if row is None:
+        return None
+    return Claim(job_id=row[0], attempt=row[1], spec=row[2], checkpoint_step=row[3])
+
+
+def renew_lease(
+    session: Session, *, job_id: int, worker_id: str, now: datetime, lease_seconds: float
+) -> bool | None:
+    """Extend our lease. Returns ``cancel_requested``, or None if the job is no longer ours
+    (fenced: another worker reclaimed it, or it was finished elsewhere)."""
+    row = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status == "running")
+        .values(lease_expires_at=now + timedelta(seconds=lease_seconds), updated_at=now)
+        .returning(Job.cancel_requested)
+        .execution_options(synchronize_session=False)
+    ).one_or_none()
+    return None if row is None else bool(row[0])
+
+
+def finish(
+    session: Session,
+    *,
+    job_id: int,
+    worker_id: str,
+    status: str,
+    now: datetime,
+    error: str | None = None,
+) -> bool:
+    """End a running job we hold. False if it is not ours any more."""
+    assert status in FINISHED_STATUSES
+    values: dict[str, Any] = {
+        "status": status,
+        "finished_at": now,
+        "updated_at": now,
+        "lease_expires_at": None,
+    }
+    if error is not None:
+        values["error"] = error
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status == "running")
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def record_attempt_error(
+    session: Session, *, job_id: int, attempt: int, error: str, now: datetime
+) -> None:
+    job = get_job(session, job_id)
+    job.attempt_errors = [
+        *job.attempt_errors,
+        {"attempt": attempt, "error": error, "at": now.isoformat()},
+    ]
+    session.flush()
+
+
+def requeue(
+    session: Session, *, job_id: int, worker_id: str, now: datetime, count_attempt: bool = True
+) -> bool:
+    """Put a running job we hold back in the queue (a retry, or a worker shutting down).
+    ``count_attempt=False`` gives the attempt back: the job did not fail."""
+    values: dict[str, Any] = {
+        "status": "queued",
+        "worker_id": None,
+        "lease_expires_at": None,
+        "updated_at": now,
+    }
+    if not count_attempt:
+        values["attempt"] = Job.attempt - 1
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status == "running")
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def expire_abandoned(session: Session, now: datetime) -> int:
+    """Finish running jobs whose worker vanished and that may not be retried: out of
+    attempts (failed) or already asked to cancel (cancelled)."""
+    stale = and_(Job.status == "running", Job.lease_expires_at < now)
+    cancelled = session.execute(
+        update(Job)
+        .where(stale, Job.cancel_requested.is_(True))
+        .values(status="cancelled", finished_at=now, updated_at=now, lease_expires_at=None)
+        .execution_options(synchronize_session=False)
+    )
+    failed = session.execute(
+        update(Job)
+        .where(stale, Job.attempt >= Job.max_attempts)
+        .values(
+            status="failed",
+            finished_at=now,
+            updated_at=now,
+            lease_expires_at=None,
+            error=func.coalesce(Job.error, "worker lost (lease expired) on the last attempt"),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return int(cancelled.rowcount + failed.rowcount)  # type: ignore[attr-defined]

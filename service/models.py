@@ -1,0 +1,204 @@
+"""ORM models (SQLAlchemy 2.0). The schema itself comes from Alembic (``migrations/``); these
+classes must match it, which ``tests/test_migrations.py`` checks on both databases."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    REAL,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+FINISHED_STATUSES = ("succeeded", "failed", "cancelled")
+ROLES = ("admin", "member")
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on both databases (SQLite keeps no zone, so we add it back)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime: pass an aware UTC datetime")
+        value = value.astimezone(UTC)
+        # SQLite compares datetimes as text; keep every stored value in one naive UTC form.
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class NanAsNullReal(TypeDecorator[float]):
+    """A float32 column where NULL means NaN.
+
+    SQLite cannot store NaN (it silently becomes NULL), so we make that the rule on both
+    databases: NaN is stored as NULL and read back as NaN, while +/-inf are stored as
+    themselves. Aggregates then skip NaN for free. The values are float32 in TensorFlow,
+    so REAL (4 bytes on PostgreSQL) holds them exactly.
+    """
+
+    impl = REAL
+    cache_ok = True
+
+    def process_bind_param(self, value: float | None, dialect: Dialect) -> float | None:
+        if value is None or math.isnan(value):
+            return None
+        return float(value)
+
+    def process_result_value(self, value: float | None, dialect: Dialect) -> float:
+        return math.nan if value is None else float(value)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        datetime: UTCDateTime(),
+        dict[str, Any]: JSON(),
+        list[Any]: JSON(),
+        list[str]: JSON(),
+    }
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Job(Base):
+    __tablename__ = "job"
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled')",
+            name="ck_job_status",
+        ),
+        # The claim query's candidate scan: queued jobs in priority order.
+        Index("ix_job_claim", "status", "priority", "created_at"),
+        Index("ix_job_owner_id", "owner", "id"),
+        # Fair scheduling counts each owner's running jobs.
+        Index("ix_job_owner_status", "owner", "status"),
+        Index("ix_job_status_id", "status", "id"),
+        UniqueConstraint("owner", "idempotency_key", name="uq_job_idempotency"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    owner: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    spec: Mapped[dict[str, Any]]
+    warnings: Mapped[list[str]] = mapped_column(default=list)
+    notes: Mapped[list[str]] = mapped_column(default=list)
+    priority: Mapped[int] = mapped_column(Integer, default=50)
+    gpus: Mapped[int | None] = mapped_column(Integer, nullable=True)  # NULL: one if any, else CPU
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    max_attempts: Mapped[int] = mapped_column(Integer, default=3)
+    worker_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    attempt_errors: Mapped[list[Any]] = mapped_column(default=list)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    body_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    sweep_id: Mapped[int | None] = mapped_column(
+        ForeignKey("sweep.id", ondelete="SET NULL"), nullable=True, index=True
+    )
+
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    # The summary a dashboard needs without touching history.
+    total_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    steps_per_epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_loss: Mapped[float | None] = mapped_column(NanAsNullReal, nullable=True)
+    loss_scale: Mapped[float | None] = mapped_column(Float, nullable=True)
+    min_loss_scale: Mapped[float | None] = mapped_column(Float, nullable=True)
+    overflow_count: Mapped[int] = mapped_column(Integer, default=0)
+    growth_count: Mapped[int] = mapped_column(Integer, default=0)
+    backoff_count: Mapped[int] = mapped_column(Integer, default=0)
+    nonfinite_loss_count: Mapped[int] = mapped_column(Integer, default=0)
+    steps_per_second: Mapped[float | None] = mapped_column(Float, nullable=True)
+    guard_warning: Mapped[str | None] = mapped_column(Text, nullable=True)
+    checkpoint_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    precision_report: Mapped[list[Any]] = mapped_column(default=list)
+    forensics: Mapped[list[Any]] = mapped_column(default=list)
+    device: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class Step(Base):
+    """One training step. Millions of rows per long job: kept narrow (float32 values) and
+    clustered on its primary key; every query on it is a range of ``(job_id, step)``."""
+
+    __tablename__ = "step"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    epoch: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float] = mapped_column(NanAsNullReal, nullable=True)
+    loss_scale: Mapped[float] = mapped_column(REAL)
+    finite: Mapped[bool] = mapped_column(Boolean)
+
+
+class ScaleEvent(Base):
+    """Each change of the loss scale, derived from the step rows as they are written, so the
+    events query never scans a million-row history."""
+
+    __tablename__ = "scale_event"
+    __table_args__ = (
+        CheckConstraint("reason IN ('overflow', 'growth')", name="ck_scale_event_reason"),
+        {"sqlite_with_rowid": False},
+    )
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    old_scale: Mapped[float] = mapped_column(REAL)
+    new_scale: Mapped[float] = mapped_column(REAL)
+    reason: Mapped[str] = mapped_column(String(8))
+
+
+class User(Base):
+    __tablename__ = "user"
+    __table_args__ = (CheckConstraint("role IN ('admin', 'member')", name="ck_user_role"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    role: Mapped[str] = mapped_column(String(16), default="member")
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Sweep(Base):
+    __tablename__ = "sweep"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    owner: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(200))
+    base_spec: Mapped[dict[str, Any]]
+    variants: Mapped[list[Any]]
+    target_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

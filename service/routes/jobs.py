@@ -1,0 +1,235 @@
+"""Job endpoints: submit, list, read (with ETag), cancel, change priority."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from sqlalchemy.exc import IntegrityError
+
+from service import jobs, specs
+from service.auth import require_owner_or_admin
+from service.deps import PrincipalDep, SessionDep, SettingsDep, WriteSessionDep
+from service.errors import Conflict
+from service.etag import etag_response
+from service.models import Job, utcnow
+from service.schemas import (
+    ErrorOut,
+    JobOut,
+    JobPage,
+    JobSpec,
+    Progress,
+    SubmitResult,
+    Summary,
+    json_float,
+    loss_flag,
+)
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+ERRORS: dict[int | str, dict[str, object]] = {
+    401: {"model": ErrorOut, "description": "Missing or invalid token"},
+    422: {"model": ErrorOut, "description": "Invalid input; names the field and the rule"},
+}
+
+
+def job_out(job: Job) -> JobOut:
+    done = job.last_step + 1 if job.last_step is not None else (0 if job.started_at else None)
+    loss = job.last_loss if job.last_step is not None else None
+    return JobOut(
+        id=job.id,
+        name=job.name,
+        owner=job.owner,
+        status=job.status,
+        priority=job.priority,
+        attempt=job.attempt,
+        max_attempts=job.max_attempts,
+        worker_id=job.worker_id,
+        cancel_requested=job.cancel_requested,
+        error=job.error,
+        attempt_errors=job.attempt_errors,
+        warnings=job.warnings,
+        notes=job.notes,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        progress=Progress(
+            step=done,
+            total_steps=job.total_steps,
+            fraction=(
+                min(1.0, done / job.total_steps) if done is not None and job.total_steps else None
+            ),
+            epoch=job.epoch,
+        ),
+        summary=Summary(
+            last_step=job.last_step,
+            last_loss=json_float(loss),
+            last_loss_nonfinite=loss_flag(loss),
+            loss_scale=job.loss_scale,
+            min_loss_scale=job.min_loss_scale,
+            overflow_count=job.overflow_count,
+            growth_count=job.growth_count,
+            backoff_count=job.backoff_count,
+            nonfinite_loss_count=job.nonfinite_loss_count,
+            steps_per_second=job.steps_per_second,
+            guard_warning=job.guard_warning,
+            checkpoint_step=job.checkpoint_step,
+            metrics=job.metrics,
+        ),
+        sweep_id=job.sweep_id,
+        spec=job.spec,
+    )
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=JobOut,
+    responses={
+        200: {
+            "model": SubmitResult,
+            "description": "dry_run: the normalized spec, nothing stored; or the job an "
+            "earlier request with the same Idempotency-Key created",
+        },
+        409: {"model": ErrorOut, "description": "Idempotency-Key reused with another body"},
+        **ERRORS,
+    },
+)
+def submit_job(
+    spec: JobSpec,
+    session: WriteSessionDep,
+    principal: PrincipalDep,
+    settings: SettingsDep,
+    dry_run: Annotated[bool, Query(description="Validate and normalize; store nothing.")] = False,
+    idempotency_key: Annotated[
+        str | None, Header(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")
+    ] = None,
+) -> Response:
+    submitted = specs.normalize(spec, settings)
+    if dry_run:
+        return JSONResponse(submitted.model_dump(mode="json"), status_code=200)
+    body_hash = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
+    if idempotency_key is not None:
+        earlier = jobs.find_by_idempotency_key(session, principal.name, idempotency_key)
+        if earlier is not None:
+            return _replay(earlier, body_hash)
+    try:
+        job = jobs.create_job(
+            session,
+            owner=principal.name,
+            submitted=submitted,
+            now=utcnow(),
+            idempotency_key=idempotency_key,
+            body_hash=body_hash,
+        )
+        session.commit()
+    except IntegrityError:
+        # Another request with the same key won the race; answer as it did.
+        session.rollback()
+        assert idempotency_key is not None
+        earlier = jobs.find_by_idempotency_key(session, principal.name, idempotency_key)
+        if earlier is None:
+            raise
+        return _replay(earlier, body_hash)
+    return JSONResponse(
+        job_out(job).model_dump(mode="json"),
+        status_code=201,
+        headers={"Location": f"/v1/jobs/{job.id}"},
+    )
+
+
+def _replay(earlier: Job, body_hash: str) -> Response:
+    if earlier.body_hash != body_hash:
+        raise Conflict(
+            "Idempotency-Key was already used with a different body "
+            f"(job {earlier.id}); use a new key for a new job"
+        )
+    return JSONResponse(
+        job_out(earlier).model_dump(mode="json"),
+        status_code=200,
+        headers={"Idempotent-Replayed": "true", "Location": f"/v1/jobs/{earlier.id}"},
+    )
+
+
+@router.get("", response_model=JobPage, responses=ERRORS)
+def list_jobs(
+    session: SessionDep,
+    _: PrincipalDep,
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"] | None = None,
+    owner: Annotated[str | None, Query(max_length=64)] = None,
+    cursor: Annotated[str | None, Query(pattern=r"^[0-9]{1,12}$")] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+) -> JobPage:
+    rows, next_id = jobs.list_jobs(
+        session,
+        status=status,
+        owner=owner,
+        before_id=int(cursor) if cursor else None,
+        limit=limit,
+    )
+    return JobPage(items=[job_out(j) for j in rows], next_cursor=str(next_id) if next_id else None)
+
+
+@router.get(
+    "/{job_id}",
+    response_model=JobOut,
+    responses={
+        304: {"description": "Not modified (If-None-Match)"},
+        404: {"model": ErrorOut},
+        **ERRORS,
+    },
+)
+def get_job(
+    job_id: int,
+    request: Request,
+    session: SessionDep,
+    _: PrincipalDep,
+) -> Response:
+    return etag_response(request, job_out(jobs.get_job(session, job_id)))
+
+
+@router.post(
+    "/{job_id}/cancel",
+    status_code=202,
+    response_model=JobOut,
+    responses={
+        403: {"model": ErrorOut},
+        404: {"model": ErrorOut},
+        409: {"model": ErrorOut, "description": "Already finished"},
+        **ERRORS,
+    },
+)
+def cancel_job(job_id: int, session: WriteSessionDep, principal: PrincipalDep) -> JobOut:
+    job = jobs.get_job(session, job_id)
+    require_owner_or_admin(principal, job.owner, "cancel")
+    job = jobs.request_cancel(session, job_id, utcnow())
+    session.commit()
+    return job_out(job)
+
+
+class JobPatch(BaseModel):
+    model_config = {"extra": "forbid"}
+    priority: int = Field(ge=0, le=100)
+
+
+@router.patch(
+    "/{job_id}",
+    response_model=JobOut,
+    responses={
+        403: {"model": ErrorOut},
+        404: {"model": ErrorOut},
+        409: {"model": ErrorOut},
+        **ERRORS,
+    },
+)
+def patch_job(
+    job_id: int, patch: JobPatch, session: WriteSessionDep, principal: PrincipalDep
+) -> JobOut:
+    job = jobs.get_job(session, job_id)
+    require_owner_or_admin(principal, job.owner, "change the priority of")
+    job = jobs.set_priority(session, job_id, patch.priority, utcnow())
+    session.commit()
+    return job_out(job)

@@ -1,0 +1,33 @@
+"""Policies and health."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from sqlalchemy import text
+
+from service.deps import DbDep, PrincipalDep
+from service.policies import POLICIES
+from service.schemas import PolicyOut
+
+router = APIRouter(tags=["meta"])
+
+
+@router.get("/v1/policies", response_model=list[PolicyOut])
+def list_policies(_: PrincipalDep) -> list[PolicyOut]:
+    return [
+        PolicyOut(
+            name=p.name,
+            variable_dtype=p.variable_dtype,
+            compute_dtype=p.compute_dtype,
+            loss_scaling_advised=p.loss_scaling_advised,
+            note=p.note,
+        )
+        for p in POLICIES.values()
+    ]
+
+
+@router.get("/healthz")
+def healthz(db: DbDep) -> dict[str, str]:
+    with db.engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+    return {"status": "ok", "database": db.dialect}

@@ -1,0 +1,531 @@
+"""Pydantic models of the API: the job spec (input, ``extra="forbid"``) and the responses.
+
+The spec speaks the language of TensorFlow's mixed-precision guide (policies, loss scaling)
+and accepts the forms older guides teach, mapping each to what Keras 3 does; every mapping
+is reported back in the response's ``notes``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from service.policies import POLICIES, PolicyName, UnexpressiblePolicy, policy_for_pair
+
+LEGACY_AMP_ENV = "TF_ENABLE_AUTO_MIXED_PRECISION"
+LEGACY_AMP_EXPLANATION = (
+    "TF_ENABLE_AUTO_MIXED_PRECISION does nothing in TensorFlow 2.x. For Keras mixed precision "
+    "set precision.policy (e.g. 'mixed_float16', which is what Halfway runs by default, with "
+    "dynamic loss scaling). For TensorFlow's graph rewrite, the TF 2 equivalent of that "
+    "variable (grappler's 'auto_mixed_precision'), set precision.graph_rewrite: true with "
+    "precision.policy 'float32'."
+)
+
+MAX_INT32 = 2**31 - 1
+
+
+class StrictModel(BaseModel):
+    """Input models: unknown fields and NaN/Infinity are refused."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Precision
+
+
+class DtypePair(StrictModel):
+    """An explicit dtype pair, as the old ``Policy('custom', {...})`` examples show."""
+
+    name: Literal["custom"] | None = Field(
+        default=None, description="Accepted for the old Policy('custom', {...}) form; ignored."
+    )
+    variable_dtype: Literal["float16", "bfloat16", "float32", "float64"]
+    compute_dtype: Literal["float16", "bfloat16", "float32", "float64"]
+
+
+def _policy_name(value: Any) -> Any:
+    """Turn a dtype pair into the Keras name it means; a pair Keras cannot express is an error."""
+    if not isinstance(value, dict):
+        return value
+    try:
+        pair = DtypePair.model_validate(value)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        raise PydanticCustomError(
+            "dtype_pair",
+            "an explicit policy needs variable_dtype and compute_dtype ({problems})",
+            {"problems": problems},
+        ) from None
+    try:
+        return policy_for_pair(pair.variable_dtype, pair.compute_dtype)
+    except UnexpressiblePolicy as exc:
+        raise PydanticCustomError("unexpressible_policy", str(exc)) from None
+
+
+PolicyField = Annotated[
+    PolicyName,
+    BeforeValidator(_policy_name),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "enum": list(POLICIES)},
+                DtypePair.model_json_schema(),
+            ]
+        }
+    ),
+]
+
+
+class PrecisionSpec(StrictModel):
+    policy: PolicyField = Field(
+        default="mixed_float16",
+        description="A Keras dtype policy name, or {variable_dtype, compute_dtype} mapped to "
+        "the name it means.",
+    )
+    output_float32: bool = Field(
+        default=True,
+        description="Run the output activation in float32 (the TensorFlow guide's advice), so a "
+        "float16 softmax cannot overflow.",
+    )
+    graph_rewrite: bool = Field(
+        default=False,
+        description="TensorFlow's grappler auto_mixed_precision rewrite (the TF 2 form of "
+        "TF_ENABLE_AUTO_MIXED_PRECISION): auto_mixed_precision on GPU, "
+        "auto_mixed_precision_onednn_bfloat16 on CPU. Needs policy 'float32'.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_forms(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(str(k).upper() == LEGACY_AMP_ENV for k in data):
+            raise PydanticCustomError("legacy_env_var", LEGACY_AMP_EXPLANATION)
+        return data
+
+    @model_validator(mode="after")
+    def _rewrite_needs_float32(self) -> PrecisionSpec:
+        if self.graph_rewrite and self.policy != "float32":
+            raise PydanticCustomError(
+                "graph_rewrite_conflict",
+                "precision.graph_rewrite cannot be combined with the Keras policy "
+                f"'{self.policy}': the grappler rewrite casts a float32 graph to 16-bit on its "
+                "own, and on top of a Keras mixed policy it would cast twice and keep no "
+                "float32 master weights it knows about. Use policy 'float32' with "
+                "graph_rewrite, or a mixed policy without it.",
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# Loss scaling
+
+
+class LossScaleSpec(StrictModel):
+    mode: Literal["auto", "dynamic", "fixed", "none"] = Field(
+        default="auto",
+        description="auto: dynamic for float16 compute, none otherwise. fixed: a constant "
+        "scale that still skips non-finite updates (the old dynamic=False).",
+    )
+    initial_scale: float = Field(default=2.0**15, gt=0, le=2.0**64)
+    growth_steps: int = Field(
+        default=2000, ge=1, le=10**9, description="Finite steps in a row before growing."
+    )
+    growth_factor: float = Field(default=2.0, gt=1, le=2.0**16)
+    backoff_factor: float = Field(default=0.5, gt=0, lt=1)
+    min_scale: float = Field(default=1.0, gt=0, le=2.0**64)
+    max_scale: float = Field(default=2.0**24, gt=0, le=2.0**64)
+    hysteresis: int = Field(
+        default=1,
+        ge=1,
+        le=10_000,
+        description="Overflows tolerated before backing off; refilled when the scale grows.",
+    )
+    dynamic: bool | None = Field(
+        default=None,
+        description="The old LossScaleOptimizer(dynamic=...) argument: true means mode "
+        "'dynamic', false means mode 'fixed'.",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LossScaleSpec:
+        if self.dynamic is not None:
+            wanted = "dynamic" if self.dynamic else "fixed"
+            if self.mode not in ("auto", wanted):
+                raise PydanticCustomError(
+                    "conflicting_mode",
+                    f"dynamic={str(self.dynamic).lower()} means mode '{wanted}', but mode is "
+                    f"'{self.mode}'",
+                )
+        if self.min_scale > self.max_scale:
+            raise PydanticCustomError("scale_bounds", "min_scale must not exceed max_scale")
+        if not self.min_scale <= self.initial_scale <= self.max_scale:
+            raise PydanticCustomError(
+                "scale_bounds",
+                f"initial_scale {self.initial_scale:g} must lie within [min_scale, max_scale] = "
+                f"[{self.min_scale:g}, {self.max_scale:g}]",
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+
+Activation = Literal["relu", "gelu", "tanh", "sigmoid", "swish", "elu", "selu", "linear"]
+
+
+class MLPModel(StrictModel):
+    kind: Literal["mlp"] = "mlp"
+    input_size: int = Field(default=784, ge=1, le=10**7)
+    hidden: list[Annotated[int, Field(ge=1, le=65_536)]] = Field(
+        default_factory=lambda: [128], max_length=64
+    )
+    activation: Activation = "relu"
+    num_classes: int = Field(default=10, ge=2, le=100_000)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+
+    def parameter_count(self) -> int:
+        sizes = [self.input_size, *self.hidden, self.num_classes]
+        return sum((a + 1) * b for a, b in itertools.pairwise(sizes))
+
+
+def _kind_of(default: str, *kinds: str) -> Any:
+    """Discriminate on ``kind``, which may be left out for the default kind."""
+
+    def discriminate(value: Any) -> str:
+        if isinstance(value, dict):
+            return str(value.get("kind", default))
+        return str(getattr(value, "kind", default))
+
+    return Discriminator(
+        discriminate,
+        custom_error_type="unknown_kind",
+        custom_error_message=f"kind must be one of: {', '.join(kinds)}",
+    )
+
+
+ModelSpec = Annotated[Annotated[MLPModel, Tag("mlp")], _kind_of("mlp", "mlp")]
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+
+
+class SyntheticData(StrictModel):
+    """Gaussian clusters around one random centre per class: learnable, so accuracy rises."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    samples: int = Field(default=10_000, ge=2, le=10**7)
+    features: int = Field(default=784, ge=1, le=10**6)
+    classes: int = Field(default=10, ge=2, le=100_000)
+    noise: float = Field(default=1.0, ge=0, le=1000)
+    seed: int = Field(default=0, ge=0, le=MAX_INT32)
+
+
+class NpzData(StrictModel):
+    kind: Literal["npz"]
+    path: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Relative to the data directory; must stay inside it. Holds x_train and "
+        "y_train, optionally x_val and y_val.",
+    )
+    max_samples: int | None = Field(default=None, ge=1, le=10**9)
+
+
+class KerasData(StrictModel):
+    kind: Literal["keras"]
+    name: Literal["mnist", "fashion_mnist", "cifar10"]
+    max_samples: int | None = Field(default=None, ge=1, le=10**9)
+
+
+KERAS_DATASET_SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
+    "mnist": ((28, 28), 10),
+    "fashion_mnist": ((28, 28), 10),
+    "cifar10": ((32, 32, 3), 10),
+}
+
+DataSpec = Annotated[
+    Annotated[SyntheticData, Tag("synthetic")]
+    | Annotated[NpzData, Tag("npz")]
+    | Annotated[KerasData, Tag("keras")],
+    _kind_of("synthetic", "synthetic", "npz", "keras"),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer and training
+
+
+class OptimizerSpec(StrictModel):
+    name: Literal["adam", "adamw", "sgd", "rmsprop"] = "adam"
+    learning_rate: float = Field(default=0.001, gt=0, le=10)
+    momentum: float | None = Field(default=None, ge=0, lt=1, description="sgd and rmsprop")
+    nesterov: bool | None = Field(default=None, description="sgd")
+    beta_1: float | None = Field(default=None, gt=0, lt=1, description="adam and adamw")
+    beta_2: float | None = Field(default=None, gt=0, lt=1, description="adam and adamw")
+    epsilon: float | None = Field(default=None, gt=0, le=1)
+    weight_decay: float | None = Field(default=None, ge=0, le=1)
+    clipnorm: float | None = Field(default=None, gt=0, le=1e6)
+
+    @model_validator(mode="after")
+    def _arguments_fit(self) -> OptimizerSpec:
+        allowed = {
+            "adam": {"beta_1", "beta_2"},
+            "adamw": {"beta_1", "beta_2"},
+            "sgd": {"momentum", "nesterov"},
+            "rmsprop": {"momentum"},
+        }[self.name]
+        for field in ("momentum", "nesterov", "beta_1", "beta_2"):
+            if getattr(self, field) is not None and field not in allowed:
+                raise PydanticCustomError(
+                    "argument_not_for_optimizer",
+                    f"{field} is not an argument of {self.name}",
+                )
+        return self
+
+
+class TrainingSpec(StrictModel):
+    epochs: int = Field(default=5, ge=1, le=100_000)
+    batch_size: int = Field(default=32, ge=1, le=65_536)
+    steps_per_epoch: int | None = Field(default=None, ge=1, le=10**7)
+    validation_split: float = Field(default=0.0, ge=0, le=0.5)
+    seed: int = Field(default=0, ge=0, le=MAX_INT32)
+    steps_per_execution: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000,
+        description="Steps run per graph execution; default chosen so the host syncs rarely.",
+    )
+    jit_compile: bool = Field(default=False, description="XLA-compile the train step.")
+    checkpoint_every: int = Field(
+        default=1000, ge=1, le=10**9, description="Steps between resumable checkpoints."
+    )
+
+
+class FaultsSpec(StrictModel):
+    """Rehearsal: inject failures so you see how a config reacts (and so tests can)."""
+
+    nonfinite_at_steps: list[Annotated[int, Field(ge=0, le=10**9)]] = Field(
+        default_factory=list,
+        max_length=10_000,
+        description="Global steps at which the child makes the gradients non-finite.",
+    )
+    crash_at_step: int | None = Field(
+        default=None, ge=0, le=10**9, description="Raise an exception at this step."
+    )
+    hang_at_step: int | None = Field(
+        default=None, ge=0, le=10**9, description="Stop making progress at this step."
+    )
+
+    @field_validator("nonfinite_at_steps")
+    @classmethod
+    def _sorted_unique(cls, steps: list[int]) -> list[int]:
+        return sorted(set(steps))
+
+
+class GuardsSpec(StrictModel):
+    """Stop a run that loss scaling cannot save; each guard can be switched off with null."""
+
+    max_consecutive_nonfinite: int | None = Field(
+        default=200,
+        ge=1,
+        le=10**9,
+        description="Fail after this many non-finite (skipped) steps in a row.",
+    )
+    fail_on_nonfinite_loss: bool = Field(
+        default=True,
+        description="Fail when the loss is non-finite although the gradients were finite "
+        "(loss scaling cannot explain it: the model itself diverged).",
+    )
+    max_steps_at_min_scale: int | None = Field(
+        default=1000,
+        ge=1,
+        le=10**9,
+        description="Fail when the scale has sat at min_scale this many steps in a row.",
+    )
+    overflow_warn_rate: float = Field(default=0.05, gt=0, le=1)
+    overflow_window: int = Field(default=1000, ge=10, le=10**7)
+
+
+class ResourcesSpec(StrictModel):
+    gpus: int | Literal["auto"] = Field(
+        default="auto",
+        description="GPUs the job needs. 'auto': one when the worker has GPUs, else the CPU. "
+        "0: CPU only.",
+    )
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_range(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 0 <= value <= 64:
+            raise PydanticCustomError("gpu_range", "gpus must be between 0 and 64, or 'auto'")
+        return value
+
+
+class OutputsSpec(StrictModel):
+    save_model: bool = Field(default=True, description="Save the trained model as .keras.")
+    tensorboard: bool = Field(
+        default=False, description="Also write per-step scalars for TensorBoard."
+    )
+
+
+class JobSpec(StrictModel):
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+    priority: int = Field(default=50, ge=0, le=100, description="Higher runs first.")
+    max_attempts: int = Field(default=3, ge=1, le=20)
+    precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
+    loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec)
+    model: ModelSpec = Field(default_factory=MLPModel)
+    data: DataSpec = Field(default_factory=SyntheticData)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    guards: GuardsSpec = Field(default_factory=GuardsSpec)
+    faults: FaultsSpec = Field(default_factory=FaultsSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    outputs: OutputsSpec = Field(default_factory=OutputsSpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_env(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            keys = set(data)
+            for env_key in ("env", "environment"):
+                env = data.get(env_key)
+                if isinstance(env, dict):
+                    keys |= set(env)
+            if any(str(k).upper() == LEGACY_AMP_ENV for k in keys):
+                raise PydanticCustomError("legacy_env_var", LEGACY_AMP_EXPLANATION)
+        return data
+
+
+# --------------------------------------------------------------------------------------------
+# Responses
+
+
+class SubmitResult(BaseModel):
+    """The normalized spec and what Halfway made of it (``dry_run`` returns only this)."""
+
+    spec: JobSpec
+    warnings: list[str]
+    notes: list[str]
+
+
+def loss_flag(value: float | None) -> Literal["nan", "inf", "-inf"] | None:
+    """JSON has no NaN: a non-finite float goes out as null plus this flag."""
+    if value is None or math.isfinite(value):
+        return None
+    if math.isnan(value):
+        return "nan"
+    return "inf" if value > 0 else "-inf"
+
+
+def json_float(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+class Progress(BaseModel):
+    step: int | None = Field(description="Steps done (last step + 1).")
+    total_steps: int | None
+    fraction: float | None
+    epoch: int | None
+
+
+class Summary(BaseModel):
+    last_step: int | None
+    last_loss: float | None
+    last_loss_nonfinite: Literal["nan", "inf", "-inf"] | None
+    loss_scale: float | None
+    min_loss_scale: float | None
+    overflow_count: int = Field(description="Steps whose gradients were not all finite.")
+    growth_count: int = Field(description="Times the loss scale grew.")
+    backoff_count: int = Field(description="Times the loss scale backed off.")
+    nonfinite_loss_count: int
+    steps_per_second: float | None
+    guard_warning: str | None
+    checkpoint_step: int | None
+    metrics: dict[str, Any]
+
+
+class JobOut(BaseModel):
+    id: int
+    name: str
+    owner: str
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    priority: int
+    attempt: int
+    max_attempts: int
+    worker_id: str | None
+    cancel_requested: bool
+    error: str | None
+    attempt_errors: list[Any]
+    warnings: list[str]
+    notes: list[str]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    progress: Progress
+    summary: Summary
+    sweep_id: int | None
+    spec: dict[str, Any]
+
+
+class JobPage(BaseModel):
+    items: list[JobOut]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next (older) page.")
+
+
+class StepOut(BaseModel):
+    step: int
+    epoch: int
+    loss: float | None
+    loss_nonfinite: Literal["nan", "inf", "-inf"] | None
+    loss_scale: float
+    finite: bool
+
+
+class HistoryPage(BaseModel):
+    job_id: int
+    status: str
+    items: list[StepOut]
+    next_after_step: int | None = Field(
+        description="Pass as ?after_step= to get only newer rows (a polling cursor)."
+    )
+    has_more: bool
+
+
+class PolicyOut(BaseModel):
+    name: str
+    variable_dtype: str
+    compute_dtype: str
+    loss_scaling_advised: bool
+    note: str
+
+
+class ErrorField(BaseModel):
+    field: str
+    rule: str
+    message: str
+
+
+class ErrorOut(BaseModel):
+    error: str
+    message: str
+    fields: list[ErrorField] = Field(default_factory=list)

@@ -1,0 +1,71 @@
+"""Settings, read from the environment (prefix ``HALFWAY_``) at the entry point and passed down.
+
+Nothing here runs at import time: ``Settings()`` is built by the CLI (or a test) and handed to
+``create_app`` and the worker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_HOME = Path(".halfway")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HALFWAY_", extra="ignore")
+
+    home: Path = Field(
+        default=DEFAULT_HOME,
+        description="Where the default SQLite file, datasets and artifacts live.",
+    )
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL; default sqlite:///<home>/halfway.db. "
+        "PostgreSQL: postgresql+psycopg://user@host/db.",
+    )
+    data_dir: Path | None = Field(default=None, description="Datasets; default <home>/data.")
+    artifact_dir: Path | None = Field(
+        default=None, description="Job artifacts; default <home>/artifacts."
+    )
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    embedded_worker: bool = True
+
+    # Worker behaviour.
+    lease_seconds: float = Field(default=30.0, gt=0)
+    poll_seconds: float = Field(default=1.0, gt=0, description="Idle worker's queue poll.")
+    cancel_grace_seconds: float = Field(default=10.0, ge=0)
+    history_flush_seconds: float = Field(default=0.5, gt=0)
+    hang_timeout_seconds: float = Field(
+        default=600.0, gt=0, description="A child silent for this long is killed."
+    )
+    startup_timeout_seconds: float = Field(
+        default=900.0, gt=0, description="Grace for importing TensorFlow and loading data."
+    )
+
+    # Limits checked at submission, so a worker never tries an absurd job.
+    max_parameters: int = Field(default=100_000_000, gt=0)
+    max_dataset_elements: int = Field(default=2_000_000_000, gt=0)
+    max_total_steps: int = Field(default=100_000_000, gt=0)
+    max_body_bytes: int = Field(default=1_000_000, gt=0)
+    max_running_per_user: int = Field(default=0, ge=0, description="0 means no limit.")
+
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.home / 'halfway.db').resolve()}"
+
+    def resolved_data_dir(self) -> Path:
+        return (self.data_dir or self.home / "data").resolve()
+
+    def resolved_artifact_dir(self) -> Path:
+        return (self.artifact_dir or self.home / "artifacts").resolve()
+
+    def ensure_dirs(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.resolved_data_dir().mkdir(parents=True, exist_ok=True)
+        self.resolved_artifact_dir().mkdir(parents=True, exist_ok=True)

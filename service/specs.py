@@ -1,0 +1,179 @@
+"""What Halfway makes of a valid spec: the normalized form that runs, its warnings and notes,
+and the checks that need the server's settings (limits, the data directory)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+from pathlib import Path
+
+from service.errors import SpecError
+from service.policies import POLICIES
+from service.schemas import (
+    KERAS_DATASET_SHAPES,
+    JobSpec,
+    KerasData,
+    MLPModel,
+    NpzData,
+    SubmitResult,
+    SyntheticData,
+)
+from service.settings import Settings
+
+KERAS_TRAIN_SIZES = {"mnist": 60_000, "fashion_mnist": 60_000, "cifar10": 50_000}
+
+
+def normalize(spec: JobSpec, settings: Settings) -> SubmitResult:
+    """Resolve defaults that depend on other fields, check limits, and explain mappings."""
+    warnings: list[str] = []
+    notes: list[str] = []
+    spec = spec.model_copy(deep=True)
+    facts = POLICIES[spec.precision.policy]
+
+    ls = spec.loss_scale
+    if ls.dynamic is not None:
+        mode: Literal["dynamic", "fixed"] = "dynamic" if ls.dynamic else "fixed"
+        notes.append(
+            f"loss_scale.dynamic={str(ls.dynamic).lower()} (the TF 2.3 experimental "
+            f"LossScaleOptimizer argument) maps to loss_scale.mode '{mode}'."
+            + (
+                " Keras 3 has no dynamic=False; Halfway's fixed mode keeps the scale constant "
+                "and still skips non-finite updates."
+                if not ls.dynamic
+                else ""
+            )
+        )
+        ls.mode = mode
+        ls.dynamic = None
+    if ls.mode == "auto":
+        ls.mode = "dynamic" if facts.compute_dtype == "float16" else "none"
+        notes.append(f"loss_scale.mode 'auto' is '{ls.mode}' for {facts.compute_dtype} compute.")
+    if facts.compute_dtype == "float16" and ls.mode == "none":
+        warnings.append(
+            "float16 compute without loss scaling: gradients smaller than about 6e-8 "
+            "underflow to zero and large ones overflow to inf. Use loss_scale.mode 'dynamic' "
+            "unless you are rehearsing exactly this."
+        )
+    if facts.compute_dtype != "float16" and ls.mode in ("dynamic", "fixed"):
+        warnings.append(
+            f"loss scaling with {facts.compute_dtype} compute is allowed but not needed: "
+            f"{facts.compute_dtype} has float32's exponent range."
+        )
+    if spec.precision.policy in ("float16", "bfloat16"):
+        warnings.append(
+            f"policy '{spec.precision.policy}' keeps the variables in {facts.variable_dtype} "
+            f"too, so small updates round away; 'mixed_{spec.precision.policy}' keeps float32 "
+            "variables."
+        )
+    if spec.precision.graph_rewrite:
+        notes.append(
+            "precision.graph_rewrite turns on TensorFlow's grappler rewrite for this job "
+            "('auto_mixed_precision' on GPU, 'auto_mixed_precision_onednn_bfloat16' on CPU): "
+            "the TF 2 equivalent of TF_ENABLE_AUTO_MIXED_PRECISION=1. It has no loss scaling "
+            "of its own; Halfway's scaler applies if loss_scale.mode asks for it."
+        )
+
+    _check_model_and_data(spec, settings, notes)
+    steps_per_epoch = planned_steps_per_epoch(spec)
+    if steps_per_epoch is not None:
+        total = steps_per_epoch * spec.training.epochs
+        if total > settings.max_total_steps:
+            raise SpecError(
+                "training.epochs",
+                "limit",
+                f"{spec.training.epochs} epochs of {steps_per_epoch} steps is {total} steps; "
+                f"the server's limit is {settings.max_total_steps} (HALFWAY_MAX_TOTAL_STEPS)",
+            )
+        late = [s for s in spec.faults.nonfinite_at_steps if s >= total]
+        if late:
+            warnings.append(
+                f"faults.nonfinite_at_steps {late[:5]} lie beyond the run's {total} steps "
+                "and will never fire."
+            )
+    if spec.name is None:
+        spec.name = f"{spec.model.kind}-{spec.precision.policy}"
+    return SubmitResult(spec=spec, warnings=warnings, notes=notes)
+
+
+def planned_steps_per_epoch(spec: JobSpec) -> int | None:
+    """Steps per epoch when the data size is known before training (None for npz)."""
+    if spec.training.steps_per_epoch is not None:
+        return spec.training.steps_per_epoch
+    data = spec.data
+    if isinstance(data, SyntheticData):
+        samples = data.samples
+    elif isinstance(data, KerasData):
+        samples = min(KERAS_TRAIN_SIZES[data.name], data.max_samples or 10**12)
+    else:
+        return None
+    train = samples - int(samples * spec.training.validation_split)
+    return max(1, math.ceil(train / spec.training.batch_size))
+
+
+def _check_model_and_data(spec: JobSpec, settings: Settings, notes: list[str]) -> None:
+    model, data = spec.model, spec.data
+    if isinstance(data, SyntheticData):
+        elements = data.samples * data.features
+        if elements > settings.max_dataset_elements:
+            raise SpecError(
+                "data.samples",
+                "limit",
+                f"{data.samples} samples x {data.features} features is {elements} values; "
+                f"the limit is {settings.max_dataset_elements} (HALFWAY_MAX_DATASET_ELEMENTS)",
+            )
+        train = data.samples - int(data.samples * spec.training.validation_split)
+        if train < 1:
+            raise SpecError("training.validation_split", "too_large", "leaves no training samples")
+        features, classes = data.features, data.classes
+    elif isinstance(data, KerasData):
+        shape, classes = KERAS_DATASET_SHAPES[data.name]
+        features = math.prod(shape)
+    else:
+        _check_data_path(data, settings)
+        features = classes = -1  # known only when the child opens the file
+
+    if isinstance(model, MLPModel):
+        if features >= 0 and model.input_size != features:
+            raise SpecError(
+                "model.input_size",
+                "shape_mismatch",
+                f"{model.input_size} does not match the data's {features} features per sample",
+            )
+        if classes >= 0 and model.num_classes != classes:
+            raise SpecError(
+                "model.num_classes",
+                "shape_mismatch",
+                f"{model.num_classes} does not match the data's {classes} classes",
+            )
+        params = model.parameter_count()
+        if params > settings.max_parameters:
+            raise SpecError(
+                "model",
+                "limit",
+                f"the model has {params} parameters; the server's limit is "
+                f"{settings.max_parameters} (HALFWAY_MAX_PARAMETERS)",
+            )
+        if isinstance(data, KerasData):
+            notes.append(f"{data.name} images are flattened to {features} features for mlp.")
+
+
+def _check_data_path(data: NpzData, settings: Settings) -> None:
+    resolve_data_path(data.path, settings.resolved_data_dir())
+
+
+def resolve_data_path(relative: str, data_dir: Path) -> Path:
+    """The file a spec names, refusing anything that resolves outside the data directory
+    (``..``, absolute paths, symlinks pointing out)."""
+    if "\x00" in relative:
+        raise SpecError("data.path", "path", "contains a NUL byte")
+    root = data_dir.resolve()
+    candidate = (root / relative).resolve()
+    if not candidate.is_relative_to(root):
+        raise SpecError(
+            "data.path", "outside_data_dir", "must name a file inside the data directory"
+        )
+    if candidate.suffix != ".npz":
+        raise SpecError("data.path", "npz", "must name an .npz file")
+    if not candidate.is_file():
+        raise SpecError("data.path", "not_found", f"no such file in the data directory: {relative}")
+    return candidate

@@ -1,0 +1,85 @@
+"""Fake trainers for supervisor tests: real spawned processes that speak the child protocol
+without TensorFlow. Module-level functions, so ``spawn`` can import them in the child.
+
+Each reads what to do from ``spec["fake"]`` (the supervisor passes the spec through as is)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+def _records(start: int, count: int, scale: float = 1024.0) -> list[tuple[int, int, float, float, bool]]:
+    return [(s, 0, 1.0 / (s + 1), scale, True) for s in range(start, start + count)]
+
+
+def _started(conn: Connection, total: int, start: int = 0) -> None:
+    conn.send(
+        {
+            "type": "started",
+            "total_steps": total,
+            "steps_per_epoch": total,
+            "start_step": start,
+            "steps_per_execution": 1,
+            "precision_report": [],
+            "device": {},
+        }
+    )
+
+
+def trainer(payload: dict[str, Any], conn: Connection) -> None:
+    fake = payload["spec"].get("fake", {})
+    mode = fake.get("mode", "succeed")
+    steps = int(fake.get("steps", 10))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if mode == "ignore_sigterm":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _started(conn, steps)
+    if mode == "hang":
+        time.sleep(3600)
+    if mode == "exit_silently":
+        conn.send({"type": "steps", "records": _records(0, 3), "steps_per_second": None})
+        os._exit(3)
+    if mode == "sigkill_self":
+        conn.send({"type": "steps", "records": _records(0, 3), "steps_per_second": None})
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "raise":
+        conn.send({"type": "steps", "records": _records(0, 2), "steps_per_second": None})
+        conn.send(
+            {"type": "done", "status": "failed", "error": "ValueError: boom", "retryable": True}
+        )
+        return
+    if mode == "job_error":
+        conn.send({"type": "done", "status": "failed", "error": "bad data", "retryable": False})
+        return
+    if mode in ("slow", "ignore_sigterm"):
+        # One step every `interval` seconds until told to stop (or forever, if deaf).
+        interval = float(fake.get("interval", 0.05))
+        step = 0
+        while step < steps and not stop.is_set():
+            conn.send({"type": "steps", "records": _records(step, 1), "steps_per_second": None})
+            step += 1
+            time.sleep(interval)
+        if stop.is_set():
+            conn.send({"type": "done", "status": "cancelled", "error": None, "retryable": False})
+            return
+        conn.send({"type": "done", "status": "succeeded", "error": None, "retryable": False})
+        return
+    # succeed: send the steps in a few batches.
+    batch = int(fake.get("batch", 4))
+    for first in range(0, steps, batch):
+        conn.send(
+            {
+                "type": "steps",
+                "records": _records(first, min(batch, steps - first)),
+                "steps_per_second": 100.0,
+            }
+        )
+    conn.send({"type": "metrics", "epoch": 0, "metrics": {"loss": 0.5}})
+    conn.send({"type": "done", "status": "succeeded", "error": None, "retryable": False})

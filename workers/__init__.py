@@ -1,0 +1,1 @@
+"""Workers: the supervisor (no TensorFlow) and the training child (the only TensorFlow code)."""

@@ -1,0 +1,73 @@
+"""Entry point of the training child process (started with multiprocessing *spawn*).
+
+This module imports nothing heavy at the top: the supervisor names it as the trainer, and
+only the child, inside ``run``, imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from workers.protocol import JobError
+
+
+def run(payload: dict[str, Any], conn: Connection) -> None:
+    job_dir = Path(payload["job_dir"])
+    job_dir.mkdir(parents=True, exist_ok=True)
+    _redirect_output(job_dir / "train.log")
+    stop = threading.Event()
+    # SIGTERM asks for a clean stop: the current execution finishes, its records are drained
+    # and sent, a checkpoint is written. The supervisor sends SIGKILL after a grace period.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the server's terminal is its own
+    gpu_ids = payload.get("gpu_ids") or []
+    # Must be set before TensorFlow initialises CUDA.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids) if gpu_ids else "-1"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    print(f"halfway: job {payload['job_id']} attempt {payload.get('attempt')} starting", flush=True)
+    try:
+        from workers.training import RunContext, train
+
+        status = train(
+            RunContext(
+                job_id=payload["job_id"],
+                spec=payload["spec"],
+                job_dir=job_dir,
+                data_dir=Path(payload["data_dir"]),
+                emit=conn.send,
+                stop=stop,
+                flush_seconds=payload.get("flush_seconds", 0.5),
+                gpu_ids=gpu_ids,
+            )
+        )
+        conn.send({"type": "done", "status": status, "error": None, "retryable": False})
+    except JobError as exc:
+        print(f"halfway: job failed: {exc}", flush=True)
+        conn.send({"type": "done", "status": "failed", "error": str(exc), "retryable": False})
+    except BaseException as exc:  # anything else: report it, let the supervisor decide on a retry
+        traceback.print_exc()
+        sys.stderr.flush()
+        message = f"{type(exc).__name__}: {exc}".strip()
+        with contextlib.suppress(BrokenPipeError, OSError):
+            conn.send({"type": "done", "status": "failed", "error": message, "retryable": True})
+    finally:
+        conn.close()
+    print("halfway: child exiting", flush=True)
+
+
+def _redirect_output(path: Path) -> None:
+    """Send this process's stdout and stderr, TensorFlow's C++ logging included, to the log."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115

@@ -1,0 +1,65 @@
+"""Which GPUs this host has and how a worker splits them into supervisor slots. Detection uses
+NVML (``pynvml``) when installed, else ``nvidia-smi``; never TensorFlow."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+
+def detect_gpus() -> list[int]:
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        try:
+            return list(range(pynvml.nvmlDeviceGetCount()))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # not installed, or no driver
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (subprocess.SubprocessError, OSError):
+        return []
+    return [int(line) for line in out.split() if line.strip().isdigit()]
+
+
+def parse_gpus(value: str | None) -> list[int]:
+    """``None`` or '' -> CPU only; 'all' -> every detected GPU; '0,2' -> those ids."""
+    if value is None or value.strip() == "":
+        return []
+    if value.strip().lower() == "all":
+        found = detect_gpus()
+        if not found:
+            raise ValueError("'all' found no GPUs (no NVML, no nvidia-smi, or no driver)")
+        return found
+    ids = []
+    for part in value.split(","):
+        part = part.strip()
+        if not part.isdigit():
+            raise ValueError(f"{part!r} is not a GPU index")
+        ids.append(int(part))
+    if len(set(ids)) != len(ids):
+        raise ValueError("a GPU is listed twice")
+    return ids
+
+
+def slots(gpu_ids: list[int], per_slot: int) -> list[list[int]]:
+    """Split the GPUs into supervisor slots of ``per_slot`` each; no GPUs means one CPU slot."""
+    if per_slot < 1:
+        raise ValueError("gpus per slot must be at least 1")
+    if not gpu_ids:
+        return [[]]
+    if len(gpu_ids) % per_slot:
+        raise ValueError(f"{len(gpu_ids)} GPUs do not split into slots of {per_slot}")
+    return [gpu_ids[i : i + per_slot] for i in range(0, len(gpu_ids), per_slot)]

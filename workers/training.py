@@ -1,0 +1,466 @@
+"""One job's training, inside the training child. The only module tree that imports
+TensorFlow (through ``workers.recording``, ``workers.scaler``, ``workers.builders``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from workers import data as data_mod
+from workers.builders import build_model, build_optimizer, precision_report
+from workers.protocol import JobError, Message
+from workers.recording import Drained, HalfwayTrainer, StepRecorder
+from workers.scaler import HalfwayLossScaleOptimizer, make_scaler
+
+Emit = Callable[[Message], None]
+
+DEFAULT_STEPS_PER_EXECUTION = 64
+WARMUP_EXECUTIONS = 2
+
+
+@dataclass
+class RunContext:
+    job_id: int
+    spec: dict[str, Any]
+    job_dir: Path
+    data_dir: Path
+    emit: Emit
+    stop: threading.Event
+    flush_seconds: float = 0.5
+    gpu_ids: list[int] = field(default_factory=list)
+
+
+def configure_devices(ctx: RunContext) -> dict[str, Any]:
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        # Take memory as needed rather than all of it, so a job's footprint is its own.
+        tf.config.experimental.set_memory_growth(gpu, True)
+    info: dict[str, Any] = {"gpus": [g.name for g in gpus], "warnings": []}
+    for gpu in gpus:
+        details = tf.config.experimental.get_device_details(gpu)
+        cc = details.get("compute_capability")
+        info.setdefault("compute_capability", []).append(cc)
+        info.setdefault("device_names", []).append(details.get("device_name"))
+    policy = ctx.spec["precision"]["policy"]
+    info["warnings"] = hardware_warnings(policy, info.get("compute_capability", []))
+    return info
+
+
+def hardware_warnings(policy: str, capabilities: list[tuple[int, int] | None]) -> list[str]:
+    """bfloat16 needs compute capability 8.0 and float16 Tensor Cores 7.0 to be fast."""
+    warnings: list[str] = []
+    compute = {"mixed_float16": "float16", "float16": "float16"}.get(policy) or (
+        "bfloat16" if "bfloat16" in policy else None
+    )
+    if compute is None:
+        return warnings
+    if not capabilities:
+        warnings.append(
+            f"{policy} on the CPU: {compute} arithmetic is emulated on most CPUs and usually "
+            "slower than float32; it is here for rehearsal and correctness, not speed."
+        )
+        return warnings
+    need = (8, 0) if compute == "bfloat16" else (7, 0)
+    for i, cc in enumerate(capabilities):
+        if cc is not None and tuple(cc) < need:
+            warnings.append(
+                f"GPU {i} has compute capability {cc[0]}.{cc[1]}; {compute} needs "
+                f"{need[0]}.{need[1]} or newer to be fast, so {policy} may be slower than "
+                "float32 here."
+            )
+    return warnings
+
+
+def configure_graph_rewrite(enabled: bool) -> str | None:
+    if not enabled:
+        return None
+    option = (
+        "auto_mixed_precision"
+        if tf.config.list_physical_devices("GPU")
+        else "auto_mixed_precision_onednn_bfloat16"
+    )
+    tf.config.optimizer.set_experimental_options({option: True})
+    return option
+
+
+class Checkpointer:
+    """Weights, optimizer state (the loss scaler's included) and the global step, in one .npz
+    written atomically. The data position follows from the step, since every epoch has the
+    same number of steps and its batch order is a function of (seed, epoch)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "checkpoint.npz"
+        self.meta_path = directory / "checkpoint.json"
+
+    def save(self, trainer: HalfwayTrainer, step: int) -> None:
+        arrays: dict[str, np.ndarray] = {}
+        for i, w in enumerate(trainer.inner.weights):
+            arrays[f"w{i}"] = np.asarray(w.numpy())
+        for i, v in enumerate(trainer.optimizer.variables):
+            arrays[f"o{i}"] = np.asarray(v.numpy())
+        tmp = self.path.with_suffix(".tmp.npz")
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        meta_tmp = self.meta_path.with_suffix(".tmp")
+        meta_tmp.write_text(json.dumps({"step": step}))
+        os.replace(meta_tmp, self.meta_path)
+
+    def load_step(self) -> int | None:
+        if not (self.path.is_file() and self.meta_path.is_file()):
+            return None
+        return int(json.loads(self.meta_path.read_text())["step"])
+
+    def restore(self, trainer: HalfwayTrainer) -> None:
+        with np.load(self.path, allow_pickle=False) as f:
+            weights, opt_vars = trainer.inner.weights, trainer.optimizer.variables
+            if sum(k.startswith("w") for k in f.files) != len(weights) or sum(
+                k.startswith("o") for k in f.files
+            ) != len(opt_vars):
+                raise JobError("the checkpoint does not match this job's model and optimizer")
+            for i, w in enumerate(weights):
+                w.assign(f[f"w{i}"])
+            for i, v in enumerate(opt_vars):
+                v.assign(f[f"o{i}"])
+
+
+class Guards:
+    """The spec's guards, checked on each drained batch of records on the host."""
+
+    def __init__(self, guards: dict[str, Any], min_scale: float | None) -> None:
+        self.cfg = guards
+        self.min_scale = min_scale
+        self.nonfinite_run = 0
+        self.min_scale_run = 0
+        self.window: deque[bool] = deque(maxlen=guards["overflow_window"])
+        self.warning: str | None = None
+
+    def check(self, first: int, d: Drained) -> str | None:
+        """A reason to fail the job, or None."""
+        cfg = self.cfg
+        for i in range(len(d)):
+            step, finite = first + i, bool(d.finite[i])
+            loss, scale = float(d.loss[i]), float(d.scale[i])
+            self.window.append(not finite)
+            self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
+            limit = cfg["max_consecutive_nonfinite"]
+            if limit is not None and self.nonfinite_run >= limit:
+                return (
+                    f"guard: {self.nonfinite_run} steps in a row had non-finite gradients "
+                    f"(updates skipped) up to step {step}; the loss scale is {scale:g}. "
+                    "Loss scaling cannot recover this run: lower the learning rate or check "
+                    "the data and model for NaNs."
+                )
+            if cfg["fail_on_nonfinite_loss"] and finite and not math.isfinite(loss):
+                return (
+                    f"guard: the loss was {loss} at step {step} although every gradient was "
+                    "finite, so loss scaling is not the cause: the model diverged."
+                )
+            if self.min_scale is not None and scale <= self.min_scale:
+                self.min_scale_run += 1
+                limit = cfg["max_steps_at_min_scale"]
+                if limit is not None and self.min_scale_run >= limit:
+                    return (
+                        f"guard: the loss scale sat at its floor min_scale={self.min_scale:g} "
+                        f"for {self.min_scale_run} steps (up to step {step}): gradients keep "
+                        "overflowing even unscaled. Consider mixed_bfloat16 or a lower "
+                        "learning rate."
+                    )
+            else:
+                self.min_scale_run = 0
+        if len(self.window) >= min(self.window.maxlen or 1, 10):
+            rate = sum(self.window) / len(self.window)
+            if rate > cfg["overflow_warn_rate"]:
+                self.warning = (
+                    f"overflow rate {rate:.1%} over the last {len(self.window)} steps "
+                    f"(warn above {cfg['overflow_warn_rate']:.1%})"
+                )
+            else:
+                self.warning = None
+        return None
+
+
+class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
+    """Drains the recorder once per execution, checks guards and faults, sends records to the
+    supervisor in batches, checkpoints, and stops training on SIGTERM."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        recorder: StepRecorder,
+        guards: Guards,
+        checkpointer: Checkpointer,
+        checkpoint_every: int,
+        batch_size: int,
+    ) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.recorder = recorder
+        self.guards = guards
+        self.checkpointer = checkpointer
+        self.checkpoint_every = checkpoint_every
+        self.batch_size = batch_size
+        self.epoch = 0
+        self.pending: list[tuple[int, int, float, float, bool]] = []
+        self.last_flush = time.monotonic()
+        self.last_checkpoint = recorder.drained_to
+        self.failure: str | None = None
+        self.stopped_by_signal = False
+        self.sent_warning: str | None = None
+        self.exec_started = 0.0
+        self.executions = 0
+        self.step_seconds: list[float] = []
+        self.recent: deque[tuple[float, int]] = deque(maxlen=64)
+        faults = ctx.spec["faults"]
+        self.crash_at = faults.get("crash_at_step")
+        self.hang_at = faults.get("hang_at_step")
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.exec_started = time.perf_counter()
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        d = self.collect()
+        if len(d):
+            elapsed = time.perf_counter() - self.exec_started
+            self.executions += 1
+            if self.executions > WARMUP_EXECUTIONS:
+                self.step_seconds.append(elapsed / len(d))
+            self.recent.append((time.monotonic(), d.first + len(d)))
+        self._faults(d)
+        if self.failure is None:
+            self.failure = self.guards.check(d.first, d)
+        if self.failure is not None or self.ctx.stop.is_set():
+            self.stopped_by_signal = self.ctx.stop.is_set()
+            self.model.stop_training = True
+        step = self.recorder.drained_to
+        if step - self.last_checkpoint >= self.checkpoint_every:
+            self.checkpoint()
+        if (
+            time.monotonic() - self.last_flush >= self.ctx.flush_seconds
+            or len(self.pending) > 20_000
+        ):
+            self.flush()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        metrics = {k: float(v) for k, v in (logs or {}).items() if _is_number(v)}
+        self.flush()
+        self.ctx.emit({"type": "metrics", "epoch": epoch, "metrics": metrics})
+
+    def collect(self) -> Drained:
+        d = self.recorder.drain()
+        for i in range(len(d)):
+            self.pending.append(
+                (d.first + i, self.epoch, float(d.loss[i]), float(d.scale[i]), bool(d.finite[i]))
+            )
+        return d
+
+    def _faults(self, d: Drained) -> None:
+        last = d.first + len(d) - 1
+        if self.crash_at is not None and d.first <= self.crash_at <= last:
+            self.flush()
+            raise RuntimeError(f"injected crash at step {self.crash_at} (faults.crash_at_step)")
+        if self.hang_at is not None and d.first <= self.hang_at <= last:
+            self.flush()
+            while True:  # a hung job: no progress, deaf to SIGTERM; the supervisor must kill it
+                time.sleep(3600)
+
+    def steps_per_second(self) -> float | None:
+        if len(self.recent) < 2:
+            return None
+        (t0, s0), (t1, s1) = self.recent[0], self.recent[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else None
+
+    def flush(self) -> None:
+        if self.guards.warning != self.sent_warning:
+            self.sent_warning = self.guards.warning
+            self.ctx.emit({"type": "warning", "message": self.guards.warning})
+        if self.pending:
+            self.ctx.emit(
+                {
+                    "type": "steps",
+                    "records": self.pending,
+                    "steps_per_second": self.steps_per_second(),
+                }
+            )
+            self.pending = []
+        self.last_flush = time.monotonic()
+
+    def checkpoint(self) -> None:
+        step = self.recorder.drained_to
+        self.flush()  # the rows a checkpoint covers reach the supervisor first
+        self.checkpointer.save(self.model, step)
+        self.last_checkpoint = step
+        self.ctx.emit({"type": "checkpoint", "step": step})
+
+    def timing(self) -> dict[str, float]:
+        if not self.step_seconds:
+            return {}
+        median = statistics.median(self.step_seconds)
+        return {
+            "median_step_seconds": median,
+            "examples_per_second": self.batch_size / median if median > 0 else 0.0,
+        }
+
+
+def _is_number(v: Any) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def train(ctx: RunContext) -> str:
+    """Run the job to completion. Returns 'succeeded' or 'cancelled'; raises JobError (or any
+    exception) on failure."""
+    spec = ctx.spec
+    training = spec["training"]
+    ctx.job_dir.mkdir(parents=True, exist_ok=True)
+    keras.utils.set_random_seed(training["seed"])
+    device = configure_devices(ctx)
+    rewrite = configure_graph_rewrite(spec["precision"]["graph_rewrite"])
+    if rewrite:
+        device["graph_rewrite"] = rewrite
+
+    arrays = data_mod.load_arrays(spec["data"], training, ctx.data_dir)
+    n_train = len(arrays.x_train)
+    fixed_steps = training.get("steps_per_epoch")
+    per_epoch = data_mod.steps_per_epoch(n_train, training["batch_size"], fixed_steps)
+    epochs = training["epochs"]
+    total = per_epoch * epochs
+    spe = training.get("steps_per_execution") or min(DEFAULT_STEPS_PER_EXECUTION, per_epoch)
+
+    keras.config.set_dtype_policy(spec["precision"]["policy"])
+    try:
+        model = build_model(spec, arrays.sample_shape, arrays.num_classes)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    optimizer: keras.optimizers.Optimizer = build_optimizer(spec["optimizer"])
+    scaler = make_scaler(optimizer, spec["loss_scale"])
+    recorder = StepRecorder(capacity=spe)
+    trainer = HalfwayTrainer(model, recorder, fault_steps=spec["faults"]["nonfinite_at_steps"])
+    jit: bool | str = training.get("jit_compile", "auto")
+    if rewrite:
+        jit = False  # XLA clusters bypass grappler, so the rewrite would not apply
+    trainer.compile(
+        optimizer=scaler or optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(),
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+        steps_per_execution=spe,
+        jit_compile=jit,
+        auto_scale_loss=False,
+    )
+
+    # Build the optimizer (and the scaler's variables) now, not lazily inside the first
+    # traced step: the train step reads the scale, and a checkpoint restores into them.
+    trainer.optimizer.build(trainer.trainable_variables)
+
+    checkpointer = Checkpointer(ctx.job_dir)
+    start = checkpointer.load_step() or 0
+    if start:
+        checkpointer.restore(trainer)
+    recorder.set_start(start)
+    ls = spec["loss_scale"]
+    guards = Guards(spec["guards"], ls["min_scale"] if ls["mode"] == "dynamic" else None)
+    stream = StepStream(
+        ctx, recorder, guards, checkpointer, training["checkpoint_every"], training["batch_size"]
+    )
+
+    device["jit_compile"] = bool(trainer.jit_compile)
+    ctx.emit(
+        {
+            "type": "started",
+            "total_steps": total,
+            "steps_per_epoch": per_epoch,
+            "start_step": start,
+            "steps_per_execution": spe,
+            "precision_report": precision_report(model),
+            "device": device,
+        }
+    )
+
+    x_all = tf.constant(arrays.x_train)
+    y_all = tf.constant(arrays.y_train)
+    validation = (arrays.x_val, arrays.y_val) if arrays.x_val is not None else None
+    batch = training["batch_size"]
+    for epoch in range(start // per_epoch, epochs):
+        skip = start % per_epoch if epoch == start // per_epoch else 0
+        order = data_mod.epoch_indices(n_train, batch, fixed_steps, training["seed"], epoch)
+        dataset = _epoch_dataset(x_all, y_all, order, batch, skip)
+        trainer.fit(
+            dataset,
+            epochs=epoch + 1,
+            initial_epoch=epoch,
+            verbose=0,
+            shuffle=False,  # the batch order is ours (epoch_indices)
+            callbacks=[stream],
+            validation_data=validation,
+            validation_batch_size=batch,
+        )
+        if trainer.stop_training:
+            break
+
+    stream.collect()
+    stream.flush()
+    if stream.failure is not None:
+        raise JobError(stream.failure)
+    if stream.stopped_by_signal:
+        stream.checkpoint()
+        return "cancelled"
+    timing = stream.timing()
+    timing.update(_peak_memory())
+    ctx.emit({"type": "metrics", "epoch": -1, "metrics": timing})
+    if spec["outputs"]["save_model"]:
+        model.save(ctx.job_dir / "model.keras")
+    return "succeeded"
+
+
+def _epoch_dataset(x: Any, y: Any, order: np.ndarray, batch: int, skip: int) -> Any:
+    """Batches of indices gathered from the in-memory arrays (as Keras' own array adapter
+    does), skipping the batches a resumed job already trained on."""
+    indices = tf.data.Dataset.from_tensor_slices(order).batch(batch).skip(skip)
+    arrays = tf.data.Dataset.from_tensors((x, y)).repeat()
+    return (
+        tf.data.Dataset.zip((indices, arrays))
+        .map(
+            lambda i, xy: (tf.gather(xy[0], i), tf.gather(xy[1], i)),
+            num_parallel_calls=tf.data.AUTOTUNE,
+        )
+        .prefetch(tf.data.AUTOTUNE)
+    )
+
+
+def _peak_memory() -> dict[str, float]:
+    if not tf.config.list_physical_devices("GPU"):
+        return {}
+    try:
+        return {"peak_memory_bytes": float(tf.config.experimental.get_memory_info("GPU:0")["peak"])}
+    except (ValueError, RuntimeError):
+        return {}
+
+
+def scaler_state(optimizer: Any) -> dict[str, float] | None:
+    if not isinstance(optimizer, HalfwayLossScaleOptimizer) or not optimizer.built:
+        return None
+    return {
+        "scale": float(optimizer.scale.numpy()),
+        "good_steps": int(optimizer.step_counter.numpy()),
+        "hysteresis_left": int(optimizer.hysteresis_left.numpy()),
+    }
