@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import sys
 import threading
 from typing import Annotated
 

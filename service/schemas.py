@@ -229,13 +229,20 @@ ModelSpec = Annotated[Annotated[MLPModel, Tag("mlp")], _kind_of("mlp", "mlp")]
 
 
 class SyntheticData(StrictModel):
-    """Gaussian clusters around one random centre per class: learnable, so accuracy rises."""
+    """Gaussian clusters around one random centre per class: learnable, so accuracy rises, but
+    not trivially (the classes overlap at the default separation)."""
 
     kind: Literal["synthetic"] = "synthetic"
     samples: int = Field(default=10_000, ge=2, le=10**7)
     features: int = Field(default=784, ge=1, le=10**6)
     classes: int = Field(default=10, ge=2, le=100_000)
-    noise: float = Field(default=1.0, ge=0, le=1000)
+    separation: float = Field(
+        default=3.0,
+        gt=0,
+        le=1000,
+        description="Typical distance between class centres, in units of the per-feature "
+        "noise; lower is harder.",
+    )
     seed: int = Field(default=0, ge=0, le=MAX_INT32)
 
 
@@ -314,7 +321,11 @@ class TrainingSpec(StrictModel):
         le=10_000,
         description="Steps run per graph execution; default chosen so the host syncs rarely.",
     )
-    jit_compile: bool = Field(default=False, description="XLA-compile the train step.")
+    jit_compile: bool | Literal["auto"] = Field(
+        default="auto",
+        description="XLA-compile the train step. 'auto' is Keras' default: on with a GPU, off on "
+        "a CPU-only worker.",
+    )
     checkpoint_every: int = Field(
         default=1000, ge=1, le=10**9, description="Steps between resumable checkpoints."
     )

@@ -4,8 +4,8 @@ and the checks that need the server's settings (limits, the data directory)."""
 from __future__ import annotations
 
 import math
-from typing import Literal
 from pathlib import Path
+from typing import Literal
 
 from service.errors import SpecError
 from service.policies import POLICIES

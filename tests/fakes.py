@@ -13,7 +13,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 
-def _records(start: int, count: int, scale: float = 1024.0) -> list[tuple[int, int, float, float, bool]]:
+def _records(
+    start: int, count: int, scale: float = 1024.0
+) -> list[tuple[int, int, float, float, bool]]:
     return [(s, 0, 1.0 / (s + 1), scale, True) for s in range(start, start + count)]
 
 

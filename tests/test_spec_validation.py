@@ -11,7 +11,11 @@ from tests.conftest import Api
 
 VALID: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     # (case, spec, expected parts of the normalized spec)
-    ("defaults: the classic example", {}, {"precision.policy": "mixed_float16", "loss_scale.mode": "dynamic"}),
+    (
+        "defaults: the classic example",
+        {},
+        {"precision.policy": "mixed_float16", "loss_scale.mode": "dynamic"},
+    ),
     (
         "dtype pair float32+float16 is mixed_float16",
         {"precision": {"policy": {"variable_dtype": "float32", "compute_dtype": "float16"}}},
@@ -21,7 +25,11 @@ VALID: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         "the seeds' Policy('custom', {...}) form",
         {
             "precision": {
-                "policy": {"name": "custom", "variable_dtype": "float32", "compute_dtype": "bfloat16"}
+                "policy": {
+                    "name": "custom",
+                    "variable_dtype": "float32",
+                    "compute_dtype": "bfloat16",
+                }
             }
         },
         {"precision.policy": "mixed_bfloat16", "loss_scale.mode": "none"},
@@ -96,25 +104,75 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "precision.policy",
         "dtype_pair",
     ),
-    ("unknown policy name", {"precision": {"policy": "mixed_float8"}}, "precision.policy", "literal_error"),
+    (
+        "unknown policy name",
+        {"precision": {"policy": "mixed_float8"}},
+        "precision.policy",
+        "literal_error",
+    ),
     ("unknown top-level field", {"epochs": 3}, "epochs", "extra_forbidden"),
     ("unknown nested field", {"training": {"epoch": 3}}, "training.epoch", "extra_forbidden"),
-    ("zero initial scale", {"loss_scale": {"initial_scale": 0}}, "loss_scale.initial_scale", "greater_than"),
-    ("negative initial scale", {"loss_scale": {"initial_scale": -8}}, "loss_scale.initial_scale", "greater_than"),
-    ("absurd initial scale", {"loss_scale": {"initial_scale": 1e300}}, "loss_scale.initial_scale", "less_than_equal"),
-    ("zero growth steps", {"loss_scale": {"growth_steps": 0}}, "loss_scale.growth_steps", "greater_than_equal"),
-    ("growth factor 1", {"loss_scale": {"growth_factor": 1}}, "loss_scale.growth_factor", "greater_than"),
-    ("backoff factor 1", {"loss_scale": {"backoff_factor": 1}}, "loss_scale.backoff_factor", "less_than"),
-    ("hysteresis 0", {"loss_scale": {"hysteresis": 0}}, "loss_scale.hysteresis", "greater_than_equal"),
+    (
+        "zero initial scale",
+        {"loss_scale": {"initial_scale": 0}},
+        "loss_scale.initial_scale",
+        "greater_than",
+    ),
+    (
+        "negative initial scale",
+        {"loss_scale": {"initial_scale": -8}},
+        "loss_scale.initial_scale",
+        "greater_than",
+    ),
+    (
+        "absurd initial scale",
+        {"loss_scale": {"initial_scale": 1e300}},
+        "loss_scale.initial_scale",
+        "less_than_equal",
+    ),
+    (
+        "zero growth steps",
+        {"loss_scale": {"growth_steps": 0}},
+        "loss_scale.growth_steps",
+        "greater_than_equal",
+    ),
+    (
+        "growth factor 1",
+        {"loss_scale": {"growth_factor": 1}},
+        "loss_scale.growth_factor",
+        "greater_than",
+    ),
+    (
+        "backoff factor 1",
+        {"loss_scale": {"backoff_factor": 1}},
+        "loss_scale.backoff_factor",
+        "less_than",
+    ),
+    (
+        "hysteresis 0",
+        {"loss_scale": {"hysteresis": 0}},
+        "loss_scale.hysteresis",
+        "greater_than_equal",
+    ),
     (
         "initial scale above max",
         {"loss_scale": {"initial_scale": 2**20, "max_scale": 2**16}},
         "loss_scale",
         "scale_bounds",
     ),
-    ("min above max", {"loss_scale": {"min_scale": 8, "max_scale": 4, "initial_scale": 4}}, "loss_scale", "scale_bounds"),
+    (
+        "min above max",
+        {"loss_scale": {"min_scale": 8, "max_scale": 4, "initial_scale": 4}},
+        "loss_scale",
+        "scale_bounds",
+    ),
     ("unknown mode", {"loss_scale": {"mode": "static"}}, "loss_scale.mode", "literal_error"),
-    ("dynamic flag against mode", {"loss_scale": {"dynamic": False, "mode": "dynamic"}}, "loss_scale", "conflicting_mode"),
+    (
+        "dynamic flag against mode",
+        {"loss_scale": {"dynamic": False, "mode": "dynamic"}},
+        "loss_scale",
+        "conflicting_mode",
+    ),
     (
         "graph rewrite with a mixed policy",
         {"precision": {"graph_rewrite": True}},
@@ -135,17 +193,47 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
     ),
     ("zero epochs", {"training": {"epochs": 0}}, "training.epochs", "greater_than_equal"),
     ("a billion epochs", {"training": {"epochs": 10**9}}, "training.epochs", "less_than_equal"),
-    ("batch of 10**9", {"training": {"batch_size": 10**9}}, "training.batch_size", "less_than_equal"),
-    ("validation split 0.9", {"training": {"validation_split": 0.9}}, "training.validation_split", "less_than_equal"),
+    (
+        "batch of 10**9",
+        {"training": {"batch_size": 10**9}},
+        "training.batch_size",
+        "less_than_equal",
+    ),
+    (
+        "validation split 0.9",
+        {"training": {"validation_split": 0.9}},
+        "training.validation_split",
+        "less_than_equal",
+    ),
     ("string for int", {"training": {"epochs": "many"}}, "training.epochs", "int_parsing"),
     ("unknown data kind", {"data": {"kind": "s3"}}, "data", "unknown_kind"),
     ("synthetic samples 1", {"data": {"samples": 1}}, "data.samples", "greater_than_equal"),
-    ("unknown keras dataset", {"data": {"kind": "keras", "name": "imagenet"}}, "data.name", "literal_error"),
-    ("npz path escapes", {"data": {"kind": "npz", "path": "../../etc/passwd.npz"}}, "data.path", "outside_data_dir"),
-    ("npz absolute path", {"data": {"kind": "npz", "path": "/etc/x.npz"}}, "data.path", "outside_data_dir"),
+    (
+        "unknown keras dataset",
+        {"data": {"kind": "keras", "name": "imagenet"}},
+        "data.name",
+        "literal_error",
+    ),
+    (
+        "npz path escapes",
+        {"data": {"kind": "npz", "path": "../../etc/passwd.npz"}},
+        "data.path",
+        "outside_data_dir",
+    ),
+    (
+        "npz absolute path",
+        {"data": {"kind": "npz", "path": "/etc/x.npz"}},
+        "data.path",
+        "outside_data_dir",
+    ),
     ("npz missing file", {"data": {"kind": "npz", "path": "nope.npz"}}, "data.path", "not_found"),
     ("npz not an npz", {"data": {"kind": "npz", "path": "x.csv"}}, "data.path", "npz"),
-    ("model vs data features", {"model": {"input_size": 100}}, "model.input_size", "shape_mismatch"),
+    (
+        "model vs data features",
+        {"model": {"input_size": 100}},
+        "model.input_size",
+        "shape_mismatch",
+    ),
     ("model vs data classes", {"model": {"num_classes": 5}}, "model.num_classes", "shape_mismatch"),
     (
         "mlp on cifar10 with mnist's input size",
@@ -155,15 +243,33 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
     ),
     (
         "a model of 10**12 parameters",
-        {"model": {"input_size": 1_000_000, "hidden": [65536] * 20}, "data": {"features": 1_000_000, "samples": 2}},
+        {
+            "model": {"input_size": 1_000_000, "hidden": [65536] * 20},
+            "data": {"features": 1_000_000, "samples": 2},
+        },
         "model",
         "limit",
     ),
     ("unknown model kind", {"model": {"kind": "resnet"}}, "model", "unknown_kind"),
     ("unknown optimizer", {"optimizer": {"name": "lamb"}}, "optimizer.name", "literal_error"),
-    ("momentum on adam", {"optimizer": {"momentum": 0.9}}, "optimizer", "argument_not_for_optimizer"),
-    ("learning rate zero", {"optimizer": {"learning_rate": 0}}, "optimizer.learning_rate", "greater_than"),
-    ("negative fault step", {"faults": {"nonfinite_at_steps": [-1]}}, "faults.nonfinite_at_steps.0", "greater_than_equal"),
+    (
+        "momentum on adam",
+        {"optimizer": {"momentum": 0.9}},
+        "optimizer",
+        "argument_not_for_optimizer",
+    ),
+    (
+        "learning rate zero",
+        {"optimizer": {"learning_rate": 0}},
+        "optimizer.learning_rate",
+        "greater_than",
+    ),
+    (
+        "negative fault step",
+        {"faults": {"nonfinite_at_steps": [-1]}},
+        "faults.nonfinite_at_steps.0",
+        "greater_than_equal",
+    ),
     ("gpus -1", {"resources": {"gpus": -1}}, "resources.gpus", "gpu_range"),
     ("priority 101", {"priority": 101}, "priority", "less_than_equal"),
     ("empty name", {"name": ""}, "name", "string_too_short"),
@@ -177,7 +283,9 @@ def _get(d: dict[str, Any], dotted: str) -> Any:
 
 
 @pytest.mark.parametrize(("case", "spec", "expected"), VALID, ids=[v[0] for v in VALID])
-def test_valid_spec_is_normalized(api: Api, case: str, spec: dict[str, Any], expected: dict[str, Any]) -> None:
+def test_valid_spec_is_normalized(
+    api: Api, case: str, spec: dict[str, Any], expected: dict[str, Any]
+) -> None:
     r = api.post("/v1/jobs?dry_run=true", json=spec)
     assert r.status_code == 200, r.text
     normalized = r.json()["spec"]
@@ -201,14 +309,16 @@ def test_invalid_spec_is_422_naming_field_and_rule(
 
 def test_nan_and_infinity_in_json_are_refused(api: Api) -> None:
     for literal in ("NaN", "Infinity", "-Infinity"):
-        body = '{"loss_scale": {"initial_scale": %s}}' % literal
+        body = f'{{"loss_scale": {{"initial_scale": {literal}}}}}'
         r = api.post("/v1/jobs", content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 422, r.text
         assert r.json()["fields"][0]["field"] == "loss_scale.initial_scale"
 
 
 def test_malformed_json_is_422(api: Api) -> None:
-    r = api.post("/v1/jobs", content=b'{"precision": ', headers={"Content-Type": "application/json"})
+    r = api.post(
+        "/v1/jobs", content=b'{"precision": ', headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 422
     assert r.json()["error"] == "validation_error"
 
@@ -243,6 +353,9 @@ def test_legacy_env_var_error_explains_the_mapping(api: Api) -> None:
 def test_limits_name_the_setting(api: Api) -> None:
     r = api.post(
         "/v1/jobs",
-        json={"model": {"input_size": 1_000_000, "hidden": [65536] * 20}, "data": {"features": 1_000_000, "samples": 2}},
+        json={
+            "model": {"input_size": 1_000_000, "hidden": [65536] * 20},
+            "data": {"features": 1_000_000, "samples": 2},
+        },
     )
     assert "HALFWAY_MAX_PARAMETERS" in r.json()["message"]

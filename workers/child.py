@@ -20,6 +20,7 @@ from workers.protocol import JobError
 
 
 def run(payload: dict[str, Any], conn: Connection) -> None:
+    _die_with_parent()
     job_dir = Path(payload["job_dir"])
     job_dir.mkdir(parents=True, exist_ok=True)
     _redirect_output(job_dir / "train.log")
@@ -61,6 +62,20 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
     finally:
         conn.close()
     print("halfway: child exiting", flush=True)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL us if the supervisor dies, so an orphan never keeps training (and
+    holding a GPU) while another worker reclaims the job."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def _redirect_output(path: Path) -> None:

@@ -426,6 +426,8 @@ def train(ctx: RunContext) -> str:
         return "cancelled"
     timing = stream.timing()
     timing.update(_peak_memory())
+    # Updates the inner optimizer applied: the steps that were not skipped.
+    timing["updates_applied"] = float(int(optimizer.iterations.numpy()))
     ctx.emit({"type": "metrics", "epoch": -1, "metrics": timing})
     if spec["outputs"]["save_model"]:
         model.save(ctx.job_dir / "model.keras")
