@@ -4,6 +4,7 @@ classes must match it, which ``tests/test_migrations.py`` checks on both databas
 from __future__ import annotations
 
 import math
+import struct
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -51,6 +52,22 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+def float32(value: float) -> float:
+    """The nearest float32, as a Python float. PostgreSQL sends a REAL as its shortest decimal
+    text ("4.0597076"), which is not the float32 value as a double; rounding restores it."""
+    return float(struct.unpack("f", struct.pack("f", value))[0])
+
+
+class Real32(TypeDecorator[float]):
+    """A float32 column (REAL: 4 bytes on PostgreSQL) that reads back the exact float32."""
+
+    impl = REAL
+    cache_ok = True
+
+    def process_result_value(self, value: float | None, dialect: Dialect) -> float | None:
+        return None if value is None or not math.isfinite(value) else float32(value)
+
+
 class NanAsNullReal(TypeDecorator[float]):
     """A float32 column where NULL means NaN.
 
@@ -69,7 +86,9 @@ class NanAsNullReal(TypeDecorator[float]):
         return float(value)
 
     def process_result_value(self, value: float | None, dialect: Dialect) -> float:
-        return math.nan if value is None else float(value)
+        if value is None:
+            return math.nan
+        return float32(value) if math.isfinite(value) else float(value)
 
 
 class Base(DeclarativeBase):
@@ -160,8 +179,33 @@ class Step(Base):
     step: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     epoch: Mapped[int] = mapped_column(Integer)
     loss: Mapped[float] = mapped_column(NanAsNullReal, nullable=True)
-    loss_scale: Mapped[float] = mapped_column(REAL)
+    loss_scale: Mapped[float] = mapped_column(Real32)
     finite: Mapped[bool] = mapped_column(Boolean)
+
+
+class StepRollup(Base):
+    """Precomputed summaries of fixed blocks of steps (64, 4096 and 262144 steps at levels 0,
+    1 and 2), kept current as history is written. A zoomed-out bucket query over a million
+    steps reads a few thousand of these instead of every step."""
+
+    __tablename__ = "step_rollup"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), primary_key=True)
+    level: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    block: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    first_step: Mapped[int] = mapped_column(Integer)
+    last_step: Mapped[int] = mapped_column(Integer)
+    count: Mapped[int] = mapped_column(Integer)
+    # Over finite losses only; NULL when the block has none.
+    loss_min: Mapped[float | None] = mapped_column(Real32, nullable=True)
+    loss_max: Mapped[float | None] = mapped_column(Real32, nullable=True)
+    loss_last: Mapped[float] = mapped_column(NanAsNullReal, nullable=True)
+    scale_min: Mapped[float] = mapped_column(Real32)
+    scale_max: Mapped[float] = mapped_column(Real32)
+    scale_last: Mapped[float] = mapped_column(Real32)
+    overflow_count: Mapped[int] = mapped_column(Integer)
+    nonfinite_loss_count: Mapped[int] = mapped_column(Integer)
 
 
 class ScaleEvent(Base):
@@ -176,8 +220,8 @@ class ScaleEvent(Base):
 
     job_id: Mapped[int] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), primary_key=True)
     step: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    old_scale: Mapped[float] = mapped_column(REAL)
-    new_scale: Mapped[float] = mapped_column(REAL)
+    old_scale: Mapped[float] = mapped_column(Real32)
+    new_scale: Mapped[float] = mapped_column(Real32)
     reason: Mapped[str] = mapped_column(String(8))
 
 

@@ -144,14 +144,15 @@ class LossScaleSpec(StrictModel):
         description="auto: dynamic for float16 compute, none otherwise. fixed: a constant "
         "scale that still skips non-finite updates (the old dynamic=False).",
     )
-    initial_scale: float = Field(default=2.0**15, gt=0, le=2.0**64)
+    initial_scale: float = Field(default=2.0**15, ge=2.0**-24, le=2.0**64)
     growth_steps: int = Field(
         default=2000, ge=1, le=10**9, description="Finite steps in a row before growing."
     )
     growth_factor: float = Field(default=2.0, gt=1, le=2.0**16)
     backoff_factor: float = Field(default=0.5, gt=0, lt=1)
-    min_scale: float = Field(default=1.0, gt=0, le=2.0**64)
-    max_scale: float = Field(default=2.0**24, gt=0, le=2.0**64)
+    # The scale is a float32: keep it a normal float32 number (>= 2**-24 is plenty).
+    min_scale: float = Field(default=1.0, ge=2.0**-24, le=2.0**64)
+    max_scale: float = Field(default=2.0**24, ge=2.0**-24, le=2.0**64)
     hysteresis: int = Field(
         default=1,
         ge=1,
@@ -540,3 +541,63 @@ class ErrorOut(BaseModel):
     error: str
     message: str
     fields: list[ErrorField] = Field(default_factory=list)
+
+
+class BucketOut(BaseModel):
+    index: int = Field(description="Bucket number on the grid (see BucketPage.width).")
+    first_step: int
+    last_step: int
+    count: int = Field(description="Steps recorded in the bucket.")
+    loss_min: float | None = Field(description="Over the bucket's finite losses.")
+    loss_max: float | None
+    loss_last: float | None
+    loss_last_nonfinite: Literal["nan", "inf", "-inf"] | None
+    scale_min: float
+    scale_max: float
+    scale_last: float
+    overflow_count: int = Field(description="Steps whose gradients were not all finite.")
+    nonfinite_loss_count: int
+
+
+class BucketPage(BaseModel):
+    job_id: int
+    status: str
+    from_step: int
+    to_step: int
+    points: int = Field(description="Buckets asked for; at most this many are returned.")
+    width: int = Field(description="Steps per bucket (the last one may hold fewer).")
+    origin: int = Field(description="Bucket i starts at step origin + i * width.")
+    buckets: list[BucketOut] = Field(description="Non-empty buckets, in step order.")
+
+
+class ScaleEventOut(BaseModel):
+    step: int = Field(description="The first step that used the new scale.")
+    old_scale: float
+    new_scale: float
+    reason: Literal["overflow", "growth"]
+
+
+class ScaleEventPage(BaseModel):
+    job_id: int
+    items: list[ScaleEventOut]
+    next_after_step: int | None
+    has_more: bool
+    overflow_events: int = Field(description="Back-offs over the whole job.")
+    growth_events: int = Field(description="Growths over the whole job.")
+
+
+class ComparedJob(BaseModel):
+    job_id: int
+    name: str
+    status: str
+    policy: str
+    buckets: list[BucketOut]
+
+
+class Comparison(BaseModel):
+    from_step: int
+    to_step: int
+    points: int
+    width: int
+    origin: int
+    jobs: list[ComparedJob] = Field(description="Every job on the same bucket grid.")

@@ -24,7 +24,7 @@ from service.settings import Settings
 
 PG_URL = os.environ.get("HALFWAY_TEST_DATABASE_URL")
 BACKENDS = ["sqlite", "postgresql"] if PG_URL else ["sqlite"]
-TABLES = ("step", "scale_event", "job", "sweep", '"user"')
+TABLES = ("step", "step_rollup", "scale_event", "job", "sweep", '"user"')
 
 
 @pytest.fixture(scope="session")

@@ -116,13 +116,13 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "zero initial scale",
         {"loss_scale": {"initial_scale": 0}},
         "loss_scale.initial_scale",
-        "greater_than",
+        "greater_than_equal",
     ),
     (
         "negative initial scale",
         {"loss_scale": {"initial_scale": -8}},
         "loss_scale.initial_scale",
-        "greater_than",
+        "greater_than_equal",
     ),
     (
         "absurd initial scale",

@@ -114,6 +114,26 @@ def upgrade() -> None:
         sqlite_with_rowid=False,
     )
     op.create_table(
+        "step_rollup",
+        sa.Column("job_id", sa.Integer(), nullable=False),
+        sa.Column("level", sa.Integer(), autoincrement=False, nullable=False),
+        sa.Column("block", sa.Integer(), autoincrement=False, nullable=False),
+        sa.Column("first_step", sa.Integer(), nullable=False),
+        sa.Column("last_step", sa.Integer(), nullable=False),
+        sa.Column("count", sa.Integer(), nullable=False),
+        sa.Column("loss_min", sa.REAL(), nullable=True),
+        sa.Column("loss_max", sa.REAL(), nullable=True),
+        sa.Column("loss_last", sa.REAL(), nullable=True),  # NULL means NaN
+        sa.Column("scale_min", sa.REAL(), nullable=False),
+        sa.Column("scale_max", sa.REAL(), nullable=False),
+        sa.Column("scale_last", sa.REAL(), nullable=False),
+        sa.Column("overflow_count", sa.Integer(), nullable=False),
+        sa.Column("nonfinite_loss_count", sa.Integer(), nullable=False),
+        sa.ForeignKeyConstraint(["job_id"], ["job.id"], ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("job_id", "level", "block"),
+        sqlite_with_rowid=False,
+    )
+    op.create_table(
         "scale_event",
         sa.Column("job_id", sa.Integer(), nullable=False),
         sa.Column("step", sa.Integer(), autoincrement=False, nullable=False),
@@ -129,6 +149,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("scale_event")
+    op.drop_table("step_rollup")
     op.drop_table("step")
     op.drop_table("job")
     op.drop_table("user")

@@ -1,0 +1,318 @@
+"""History at scale: buckets against a brute-force computation over the same rows (overflows,
+NaN and inf losses, uneven last bucket, zoom ranges, every rollup level), loss-scale events,
+CSV, the event stream and multi-job comparison, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import random
+from typing import Any
+
+import pytest
+
+from service import history
+from service.db import Database
+from service.history import StepRecord
+from service.models import Job, StepRollup, utcnow
+from service.routes import history as history_routes
+from tests.conftest import Api
+
+
+def submit(api: Api) -> int:
+    r = api.post("/v1/jobs", json={})
+    assert r.status_code == 201
+    job_id: int = r.json()["id"]
+    return job_id
+
+
+def synthetic_history(n: int, seed: int, start: int = 0) -> list[StepRecord]:
+    """Loss-scale behaviour with overflows (the scale halves after each) and some NaN/inf
+    losses; float32-representable values, as TensorFlow produces."""
+    rng = random.Random(seed)
+    scale = 65536.0
+    out = []
+    for step in range(start, start + n):
+        finite = rng.random() > 0.02
+        r = rng.random()
+        loss: float
+        if r < 0.01:
+            loss = math.nan
+        elif r < 0.015:
+            loss = math.inf if rng.random() < 0.5 else -math.inf
+        else:
+            loss = float(int(rng.random() * 2**20)) / 2**16  # exact in float32
+        out.append(StepRecord(step, step // 500, loss, scale, finite))
+        if not finite:
+            scale = max(1.0, scale / 2)
+        elif rng.random() < 0.01:
+            scale = min(2.0**24, scale * 2)
+    return out
+
+
+def write(db: Database, job_id: int, records: list[StepRecord], batch: int = 997) -> None:
+    for i in range(0, len(records), batch):
+        with db.write() as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            history.write_steps(s, job, records[i : i + batch], now=utcnow())
+
+
+def brute_force(records: list[StepRecord], lo: int, hi: int, origin: int, width: int) -> dict[int, dict[str, Any]]:
+    cells: dict[int, list[StepRecord]] = {}
+    for r in records:
+        if lo <= r.step <= hi:
+            cells.setdefault((r.step - origin) // width, []).append(r)
+    out = {}
+    for index, rows in cells.items():
+        finite_losses = [r.loss for r in rows if math.isfinite(r.loss)]
+        last = max(rows, key=lambda r: r.step)
+        out[index] = {
+            "index": index,
+            "first_step": min(r.step for r in rows),
+            "last_step": last.step,
+            "count": len(rows),
+            "loss_min": min(finite_losses) if finite_losses else None,
+            "loss_max": max(finite_losses) if finite_losses else None,
+            "loss_last": last.loss if math.isfinite(last.loss) else None,
+            "loss_last_nonfinite": None
+            if math.isfinite(last.loss)
+            else ("nan" if math.isnan(last.loss) else ("inf" if last.loss > 0 else "-inf")),
+            "scale_min": min(r.loss_scale for r in rows),
+            "scale_max": max(r.loss_scale for r in rows),
+            "scale_last": last.loss_scale,
+            "overflow_count": sum(1 for r in rows if not r.finite),
+            "nonfinite_loss_count": len(rows) - len(finite_losses),
+        }
+    return out
+
+
+def check_buckets(api: Api, job_id: int, records: list[StepRecord], points: int, lo: int | None = None, hi: int | None = None) -> dict[str, Any]:
+    query = f"points={points}"
+    if lo is not None:
+        query += f"&from_step={lo}"
+    if hi is not None:
+        query += f"&to_step={hi}"
+    r = api.get(f"/v1/jobs/{job_id}/history?{query}")
+    assert r.status_code == 200, r.text
+    page: dict[str, Any] = r.json()
+    lo_ = page["from_step"]
+    hi_ = page["to_step"]
+    expected = brute_force(records, lo_, hi_, page["origin"], page["width"])
+    got = {b["index"]: b for b in page["buckets"]}
+    assert got == expected
+    assert len(page["buckets"]) <= points
+    # The first and last step of the range are always present.
+    in_range = [r.step for r in records if lo_ <= r.step <= hi_]
+    if in_range:
+        assert page["buckets"][0]["first_step"] == in_range[0]
+        assert page["buckets"][-1]["last_step"] == in_range[-1]
+    return page
+
+
+@pytest.mark.parametrize("points", [1, 7, 100, 999, 5000])
+def test_buckets_equal_brute_force_on_every_grid(api: Api, db: Database, points: int) -> None:
+    job_id = submit(api)
+    records = synthetic_history(3000, seed=points)
+    write(db, job_id, records)
+    page = check_buckets(api, job_id, records, points)
+    if points == 7:  # wide buckets: served from level-0 rollups
+        assert page["width"] % history.LEVEL_BLOCKS[0] == 0
+
+
+def test_zoomed_ranges_with_unaligned_edges_equal_brute_force(api: Api, db: Database) -> None:
+    job_id = submit(api)
+    records = synthetic_history(3000, seed=3)
+    write(db, job_id, records)
+    for lo, hi, points in [(123, 2777, 5), (65, 127, 1), (1000, 1000, 10), (10, 2990, 33), (2500, 9999, 4)]:
+        check_buckets(api, job_id, records, points, lo, hi)
+
+
+def test_every_rollup_level_agrees_with_brute_force(api: Api, db: Database) -> None:
+    job_id = submit(api)
+    records = synthetic_history(10_000, seed=11)
+    write(db, job_id, records, batch=2500)
+    page = check_buckets(api, job_id, records, 2)  # width >= 4096: level-1 rollups
+    assert page["width"] % history.LEVEL_BLOCKS[1] == 0
+    check_buckets(api, job_id, records, 3, 77, 9_876)
+
+
+def test_bucket_holding_an_overflow_says_so(api: Api, db: Database) -> None:
+    job_id = submit(api)
+    records = [StepRecord(s, 0, 1.0, 1024.0, s != 4321) for s in range(10_000)]
+    write(db, job_id, records, batch=5000)
+    page = api.get(f"/v1/jobs/{job_id}/history?points=3").json()
+    flagged = [b for b in page["buckets"] if b["overflow_count"]]
+    assert len(flagged) == 1 and flagged[0]["first_step"] <= 4321 <= flagged[0]["last_step"]
+
+
+def test_rollups_follow_a_truncation_for_resume(api: Api, db: Database) -> None:
+    job_id = submit(api)
+    records = synthetic_history(5000, seed=5)
+    write(db, job_id, records)
+    with db.write() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        history.truncate_after(s, job, 2100)
+    kept = records[:2100]
+    check_buckets(api, job_id, kept, 4)
+    # The resumed attempt writes different values from the cut on.
+    resumed = synthetic_history(1500, seed=99, start=2100)
+    write(db, job_id, resumed)
+    check_buckets(api, job_id, kept + resumed, 4)
+    check_buckets(api, job_id, kept + resumed, 60)
+    summary = api.get(f"/v1/jobs/{job_id}").json()["summary"]
+    assert summary["last_step"] == 3599
+    assert summary["overflow_count"] == sum(1 for r in kept + resumed if not r.finite)
+
+
+def test_rewriting_a_batch_changes_nothing(api: Api, db: Database) -> None:
+    job_id = submit(api)
+    records = synthetic_history(1000, seed=8)
+    write(db, job_id, records)
+    before = api.get(f"/v1/jobs/{job_id}").json()["summary"]
+    write(db, job_id, records[200:400])
+    after = api.get(f"/v1/jobs/{job_id}").json()["summary"]
+    assert after == before
+    check_buckets(api, job_id, records, 9)
+    with db.read() as s:
+        assert s.query(StepRollup).filter_by(job_id=job_id, level=0).count() == math.ceil(1000 / 64)
+
+
+def test_bucket_response_has_an_etag(api: Api, db: Database) -> None:
+    job_id = submit(api)
+    write(db, job_id, synthetic_history(100, seed=1))
+    r = api.get(f"/v1/jobs/{job_id}/history?points=10")
+    again = api.get(f"/v1/jobs/{job_id}/history?points=10", headers={"If-None-Match": r.headers["etag"]})
+    assert again.status_code == 304
+
+
+def test_empty_history_gives_no_buckets(api: Api) -> None:
+    job_id = submit(api)
+    page = api.get(f"/v1/jobs/{job_id}/history?points=10").json()
+    assert page["buckets"] == []
+
+
+def test_bad_zoom_is_422(api: Api) -> None:
+    job_id = submit(api)
+    r = api.get(f"/v1/jobs/{job_id}/history?points=10&from_step=10&to_step=5")
+    assert r.status_code == 422 and r.json()["fields"][0]["field"] == "to_step"
+    assert api.get(f"/v1/jobs/{job_id}/history?points=0").status_code == 422
+    assert api.get(f"/v1/jobs/{job_id}/history?points=100000").status_code == 422
+
+
+def test_scale_events_are_every_change_with_its_reason(api: Api, db: Database) -> None:
+    job_id = submit(api)
+    records = synthetic_history(3000, seed=21)
+    write(db, job_id, records, batch=333)
+    expected = [
+        {
+            "step": b.step,
+            "old_scale": a.loss_scale,
+            "new_scale": b.loss_scale,
+            "reason": "overflow" if b.loss_scale < a.loss_scale else "growth",
+        }
+        for a, b in zip(records, records[1:], strict=False)
+        if a.loss_scale != b.loss_scale
+    ]
+    assert expected, "the synthetic history should change scale"
+    got: list[dict[str, Any]] = []
+    after = -1
+    while True:
+        page = api.get(f"/v1/jobs/{job_id}/loss-scale/events?after_step={after}&limit=7").json()
+        got += page["items"]
+        after = page["next_after_step"]
+        if not page["has_more"]:
+            break
+    assert got == expected
+    assert page["overflow_events"] == sum(1 for e in expected if e["reason"] == "overflow")
+    assert page["growth_events"] == sum(1 for e in expected if e["reason"] == "growth")
+    summary = api.get(f"/v1/jobs/{job_id}").json()["summary"]
+    assert summary["backoff_count"] == page["overflow_events"]
+    assert summary["growth_count"] == page["growth_events"]
+
+
+def test_csv_streams_every_row_and_round_trips_nonfinite_losses(api: Api, db: Database) -> None:
+    job_id = submit(api)
+    records = synthetic_history(2500, seed=4)
+    write(db, job_id, records)
+    old_chunk = history_routes.CSV_CHUNK
+    history_routes.CSV_CHUNK = 300  # several chunks
+    try:
+        r = api.get(f"/v1/jobs/{job_id}/history.csv")
+    finally:
+        history_routes.CSV_CHUNK = old_chunk
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(r.text)))
+    assert len(rows) == 2500
+    for rec, row in zip(records, rows, strict=True):
+        assert int(row["step"]) == rec.step and int(row["epoch"]) == rec.epoch
+        loss = float(row["loss"])
+        assert (math.isnan(loss) and math.isnan(rec.loss)) or loss == rec.loss
+        assert float(row["loss_scale"]) == rec.loss_scale
+        assert row["finite"] == ("true" if rec.finite else "false")
+
+
+def _read_events(lines: Any) -> list[tuple[str, Any]]:
+    events = []
+    name = None
+    for line in lines:
+        if line.startswith("event: "):
+            name = line[len("event: ") :]
+        elif line.startswith("data: ") and name is not None:
+            events.append((name, json.loads(line[len("data: ") :])))
+            name = None
+    return events
+
+
+def test_event_stream_sends_new_steps_and_ends_with_the_job(
+    api: Api, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(history_routes, "SSE_POLL_SECONDS", 0.05)
+    job_id = submit(api)
+    records = synthetic_history(120, seed=6)
+    write(db, job_id, records[:50])
+    with db.write() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        job.status = "succeeded"
+    write(db, job_id, records[50:])
+    with api.client.stream("GET", f"/v1/jobs/{job_id}/events?after_step=9", headers=api.headers) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = _read_events(r.iter_lines())
+    kinds = [k for k, _ in events]
+    assert kinds[-1] == "end" and "status" in kinds
+    steps = [item["step"] for k, d in events if k == "steps" for item in d["items"]]
+    assert steps == list(range(10, 120))
+
+
+def test_event_stream_survives_a_client_that_leaves(
+    api: Api, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(history_routes, "SSE_POLL_SECONDS", 0.05)
+    job_id = submit(api)
+    write(db, job_id, synthetic_history(10, seed=2))
+    with api.client.stream("GET", f"/v1/jobs/{job_id}/events", headers=api.headers) as r:
+        for line in r.iter_lines():
+            if line.startswith("event: steps"):
+                break  # leave mid-stream; the job is still queued
+    assert api.get(f"/v1/jobs/{job_id}").status_code == 200
+
+
+def test_comparison_puts_jobs_on_one_grid(api: Api, db: Database) -> None:
+    a, b = submit(api), submit(api)
+    ra, rb = synthetic_history(3000, seed=31), synthetic_history(1700, seed=32)
+    write(db, a, ra)
+    write(db, b, rb)
+    r = api.get(f"/v1/history?job_ids={a},{b}&points=40")
+    assert r.status_code == 200, r.text
+    page = r.json()
+    assert (page["from_step"], page["to_step"]) == (0, 2999)
+    for entry, records in zip(page["jobs"], (ra, rb), strict=True):
+        expected = brute_force(records, 0, 2999, page["origin"], page["width"])
+        assert {x["index"]: x for x in entry["buckets"]} == expected
+    assert page["jobs"][1]["buckets"][-1]["last_step"] == 1699
+    assert api.get("/v1/history?job_ids=1,abc").status_code == 422
+    assert api.get(f"/v1/history?job_ids={a},999999").status_code == 404
