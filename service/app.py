@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.db import Database
 from service.deps import TokenCache
 from service.errors import HalfwayError
-from service.routes import history, jobs, meta
+from service.routes import artifacts, dashboard, history, jobs, meta
 from service.schemas import LEGACY_AMP_ENV
 from service.settings import Settings
 
@@ -168,5 +168,8 @@ def create_app(
     app.include_router(jobs.router)
     app.include_router(history.router)
     app.include_router(meta.router)
+    app.include_router(artifacts.router)
+    app.include_router(dashboard.router)
+    dashboard.mount_static(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app

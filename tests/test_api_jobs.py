@@ -264,3 +264,37 @@ def test_oversized_body_is_413_before_parsing(api: Api, settings: object) -> Non
     r = api.post("/v1/jobs", content=big, headers={"Content-Type": "application/json"})
     assert r.status_code == 413
     assert r.json()["error"] == "payload_too_large"
+
+
+def test_logs_tail_and_follow_by_offset(api: Api, settings: Any) -> None:
+    job_id = _submit(api)["id"]
+    assert api.get(f"/v1/jobs/{job_id}/logs").text == ""  # no log yet
+    folder = settings.resolved_artifact_dir() / str(job_id)
+    folder.mkdir(parents=True)
+    log = folder / "train.log"
+    log.write_text("line one\nline two\n")
+    r = api.get(f"/v1/jobs/{job_id}/logs?tail=9")
+    assert r.text == "line two\n"
+    offset = int(r.headers["x-log-offset"])
+    assert offset == len("line one\nline two\n")
+    with log.open("a") as f:
+        f.write("line three\n")
+    follow = api.get(f"/v1/jobs/{job_id}/logs?offset={offset}")
+    assert follow.text == "line three\n"
+    assert int(follow.headers["x-log-offset"]) == offset + len("line three\n")
+
+
+def test_artifacts_are_listed_and_served_by_name_only(api: Api, settings: Any) -> None:
+    job_id = _submit(api)["id"]
+    assert api.get(f"/v1/jobs/{job_id}/artifacts").json() == []
+    assert api.get(f"/v1/jobs/{job_id}/artifacts/model.keras").status_code == 404
+    folder = settings.resolved_artifact_dir() / str(job_id)
+    folder.mkdir(parents=True)
+    (folder / "model.keras").write_bytes(b"PK\x03\x04 not really a model")
+    (folder / "checkpoint.npz").write_bytes(b"private")
+    listed = api.get(f"/v1/jobs/{job_id}/artifacts").json()
+    assert [a["name"] for a in listed] == ["model.keras"]
+    r = api.get(f"/v1/jobs/{job_id}/artifacts/model.keras")
+    assert r.status_code == 200 and r.content.startswith(b"PK")
+    for name in ("checkpoint.npz", "..%2F..%2Fetc%2Fpasswd", "../1/model.keras"):
+        assert api.get(f"/v1/jobs/{job_id}/artifacts/{name}").status_code == 404

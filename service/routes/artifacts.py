@@ -1,0 +1,114 @@
+"""A job's artifacts (the trained model, TensorBoard events) and its training log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Response
+from fastapi.responses import FileResponse
+from pydantic import BaseModel
+
+from service import jobs
+from service.deps import PrincipalDep, SessionDep, SettingsDep
+from service.errors import NotFound
+from service.schemas import ErrorOut
+
+router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
+
+# Only these names are served: nothing a request names is ever joined to a path unchecked.
+ARTIFACTS = {
+    "model.keras": "application/octet-stream",
+    "train.log": "text/plain; charset=utf-8",
+}
+DEFAULT_TAIL = 64 * 1024
+MAX_CHUNK = 4 * 1024 * 1024
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorOut},
+    404: {"model": ErrorOut},
+    422: {"model": ErrorOut},
+}
+
+
+class ArtifactOut(BaseModel):
+    name: str
+    bytes: int
+    url: str
+
+
+def job_dir(settings: Any, job_id: int) -> Path:
+    path: Path = settings.resolved_artifact_dir() / str(job_id)
+    return path
+
+
+@router.get("/{job_id}/artifacts", response_model=list[ArtifactOut], responses=ERRORS)
+def list_artifacts(
+    job_id: int, session: SessionDep, settings: SettingsDep, _: PrincipalDep
+) -> list[ArtifactOut]:
+    jobs.get_job(session, job_id)
+    folder = job_dir(settings, job_id)
+    out = []
+    for name in ARTIFACTS:
+        path = folder / name
+        if path.is_file():
+            out.append(
+                ArtifactOut(
+                    name=name,
+                    bytes=path.stat().st_size,
+                    url=f"/v1/jobs/{job_id}/artifacts/{name}",
+                )
+            )
+    return out
+
+
+@router.get(
+    "/{job_id}/artifacts/{name}",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}, **ERRORS},
+)
+def get_artifact(
+    job_id: int, name: str, session: SessionDep, settings: SettingsDep, _: PrincipalDep
+) -> Response:
+    jobs.get_job(session, job_id)
+    if name not in ARTIFACTS:
+        raise NotFound(f"no artifact named {name!r}; artifacts are {', '.join(ARTIFACTS)}")
+    path = job_dir(settings, job_id) / name
+    if not path.is_file():
+        raise NotFound(f"job {job_id} has no {name} (yet)")
+    return FileResponse(path, media_type=ARTIFACTS[name], filename=f"job-{job_id}-{name}")
+
+
+@router.get(
+    "/{job_id}/logs",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {}}}, **ERRORS},
+)
+def get_logs(
+    job_id: int,
+    session: SessionDep,
+    settings: SettingsDep,
+    _: PrincipalDep,
+    offset: Annotated[
+        int | None,
+        Query(ge=0, le=2**62, description="Read from this byte on (use X-Log-Offset to follow)."),
+    ] = None,
+    tail: Annotated[
+        int, Query(ge=1, le=MAX_CHUNK, description="Without offset: the last this many bytes.")
+    ] = DEFAULT_TAIL,
+) -> Response:
+    """The training log as text. ``X-Log-Offset`` is where to continue from, so a client
+    follows the log by passing it back as ``offset``."""
+    jobs.get_job(session, job_id)
+    path = job_dir(settings, job_id) / "train.log"
+    size = path.stat().st_size if path.is_file() else 0
+    start = max(0, size - tail) if offset is None else min(offset, size)
+    data = b""
+    if size > start:
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(min(size - start, MAX_CHUNK))
+    return Response(
+        content=data,
+        media_type="text/plain; charset=utf-8",
+        headers={"X-Log-Offset": str(start + len(data)), "X-Log-Size": str(size)},
+    )
