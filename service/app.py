@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -18,7 +18,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.db import Database
 from service.deps import TokenCache
 from service.errors import HalfwayError
-from service.routes import artifacts, dashboard, history, jobs, meta
+from service.metrics import MetricsRegistry, metrics_response, observe_requests
+from service.routes import artifacts, dashboard, datasets, history, jobs, meta
 from service.schemas import LEGACY_AMP_ENV
 from service.settings import Settings
 
@@ -64,37 +65,39 @@ class BodySizeLimit:
     """Refuse a body over the limit with 413 before anything parses it, whether or not the
     client sent Content-Length."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, overrides: dict[str, int] | None = None
+    ) -> None:
+        self.app, self.default = app, max_bytes
+        self.overrides = overrides or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.overrides.get(scope.get("path", ""), self.default)
         for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._reject(send)
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                await self._reject(send, limit)
                 return
         seen = 0
-        too_large = False
 
         async def limited_receive() -> Message:
-            nonlocal seen, too_large
+            nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    too_large = True
+                if seen > limit:
                     raise _TooLarge()
             return message
 
         try:
             await self.app(scope, limited_receive, send)
         except _TooLarge:
-            await self._reject(send)
+            await self._reject(send, limit)
 
-    async def _reject(self, send: Send) -> None:
-        response = _error(413, "payload_too_large", f"request body exceeds {self.max_bytes} bytes")
+    async def _reject(self, send: Send, limit: int) -> None:
+        response = _error(413, "payload_too_large", f"request body exceeds {limit} bytes")
         await send(
             {
                 "type": "http.response.start",
@@ -165,11 +168,23 @@ def create_app(
         log.warning("database unavailable: %s", exc.orig)
         return _error(503, "database_unavailable", "the database is unavailable; retry shortly")
 
+    registry = MetricsRegistry(db)
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        return metrics_response(registry)
+
+    app.middleware("http")(observe_requests)
     app.include_router(jobs.router)
     app.include_router(history.router)
     app.include_router(meta.router)
     app.include_router(artifacts.router)
+    app.include_router(datasets.router)
     app.include_router(dashboard.router)
     dashboard.mount_static(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_body_bytes,
+        overrides={"/v1/datasets": settings.max_upload_bytes},
+    )
     return app

@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     max_dataset_elements: int = Field(default=2_000_000_000, gt=0)
     max_total_steps: int = Field(default=100_000_000, gt=0)
     max_body_bytes: int = Field(default=1_000_000, gt=0)
+    max_upload_bytes: int = Field(
+        default=2 * 1024**3, gt=0, description="Largest dataset upload (POST /v1/datasets)."
+    )
     max_running_per_user: int = Field(default=0, ge=0, description="0 means no limit.")
 
     def resolved_database_url(self) -> str:

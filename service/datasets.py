@@ -1,0 +1,147 @@
+"""Uploaded datasets: ``.npz`` files checked from their array headers alone (shapes and
+dtypes, no data loaded and nothing unpickled), then stored under the data directory where
+specs name them."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from service.errors import Conflict, SpecError
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+REQUIRED = ("x_train", "y_train")
+OPTIONAL = ("x_val", "y_val")
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def read_headers(path: Path) -> dict[str, ArrayInfo]:
+    """Shape and dtype of every array in an .npz, read from the .npy headers."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError):
+        raise SpecError(
+            "file", "not_npz", "is not an .npz archive (a zip of .npy arrays)"
+        ) from None
+    infos: dict[str, ArrayInfo] = {}
+    with archive:
+        for member in archive.infolist():
+            if not member.filename.endswith(".npy"):
+                raise SpecError("file", "not_npz", f"holds {member.filename!r}, not an array")
+            with archive.open(member) as f:
+                try:
+                    version = np.lib.format.read_magic(f)
+                    reader = (
+                        np.lib.format.read_array_header_1_0
+                        if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    shape, _fortran, dtype = reader(f)
+                except ValueError as exc:
+                    raise SpecError("file", "not_npz", f"{member.filename}: {exc}") from None
+            infos[member.filename.removesuffix(".npy")] = ArrayInfo(tuple(shape), str(dtype))
+            if dtype.hasobject:
+                raise SpecError(
+                    "file",
+                    "pickle",
+                    f"{member.filename} holds Python objects; only numeric arrays are "
+                    "accepted (nothing is ever unpickled)",
+                )
+    return infos
+
+
+def validate(infos: dict[str, ArrayInfo]) -> None:
+    missing = [k for k in REQUIRED if k not in infos]
+    if missing:
+        raise SpecError("file", "arrays", f"lacks {missing}; has {sorted(infos)}")
+    extra = sorted(set(infos) - set(REQUIRED) - set(OPTIONAL))
+    if extra:
+        raise SpecError("file", "arrays", f"unexpected arrays {extra}")
+    if ("x_val" in infos) != ("y_val" in infos):
+        raise SpecError("file", "arrays", "x_val and y_val come together")
+    for split in ("train", "val"):
+        x, y = infos.get(f"x_{split}"), infos.get(f"y_{split}")
+        if x is None or y is None:
+            continue
+        if len(x.shape) < 2:
+            raise SpecError(
+                "file", "shape", f"x_{split} needs a sample axis and features, got {x.shape}"
+            )
+        if not np.issubdtype(np.dtype(x.dtype), np.number) or np.dtype(x.dtype).kind == "c":
+            raise SpecError("file", "dtype", f"x_{split} must be real numbers, got {x.dtype}")
+        if not (len(y.shape) == 1 or (len(y.shape) == 2 and y.shape[1] == 1)):
+            raise SpecError(
+                "file", "shape", f"y_{split} must be class labels of shape (n,), got {y.shape}"
+            )
+        if not np.issubdtype(np.dtype(y.dtype), np.integer):
+            raise SpecError("file", "dtype", f"y_{split} must be integers, got {y.dtype}")
+        if x.shape[0] != y.shape[0]:
+            raise SpecError(
+                "file",
+                "shape",
+                f"x_{split} has {x.shape[0]} samples but y_{split} has {y.shape[0]}",
+            )
+    if "x_val" in infos and infos["x_val"].shape[1:] != infos["x_train"].shape[1:]:
+        raise SpecError("file", "shape", "x_val samples differ in shape from x_train samples")
+
+
+def store(
+    upload: IO[bytes], *, name: str, owner: str, data_dir: Path, max_bytes: int
+) -> tuple[str, dict[str, ArrayInfo], int]:
+    """Copy the upload to a temporary file (refusing it past ``max_bytes``), check it, and
+    move it into place. Returns its path relative to the data directory."""
+    if not NAME.match(name):
+        raise SpecError(
+            "name", "pattern", "letters, digits, '.', '_' and '-', starting with a letter or digit"
+        )
+    filename = name if name.endswith(".npz") else f"{name}.npz"
+    folder = (data_dir / "uploads" / owner).resolve()
+    if not folder.is_relative_to(data_dir.resolve()):
+        raise SpecError("name", "path", "escapes the data directory")
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / filename
+    if target.exists():
+        raise Conflict(f"dataset {filename} already exists; upload under another name")
+    fd, tmp_name = tempfile.mkstemp(dir=folder, suffix=".part")
+    tmp = Path(tmp_name)
+    try:
+        size = 0
+        with os.fdopen(fd, "wb") as out:
+            while chunk := upload.read(1 << 20):
+                size += len(chunk)
+                if size > max_bytes:
+                    raise SpecError(
+                        "file",
+                        "too_large",
+                        f"larger than the limit of {max_bytes} bytes (HALFWAY_MAX_UPLOAD_BYTES)",
+                    )
+                out.write(chunk)
+        infos = read_headers(tmp)
+        validate(infos)
+        os.link(tmp, target)  # fails if another upload took the name meanwhile
+    except FileExistsError:
+        raise Conflict(f"dataset {filename} already exists; upload under another name") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return str(target.relative_to(data_dir.resolve())), infos, size
+
+
+def listing(data_dir: Path) -> list[dict[str, Any]]:
+    root = data_dir.resolve()
+    out = []
+    for path in sorted(root.rglob("*.npz")):
+        if path.is_file():
+            out.append({"path": str(path.relative_to(root)), "bytes": path.stat().st_size})
+    return out

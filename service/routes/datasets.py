@@ -1,0 +1,62 @@
+"""Dataset uploads: an ``.npz`` checked from its array headers and stored under the data
+directory, so specs can name it as ``data: {kind: npz, path: ...}``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Form, UploadFile
+from pydantic import BaseModel
+
+from service import datasets
+from service.deps import PrincipalDep, SettingsDep
+from service.schemas import ErrorOut
+
+router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
+
+
+class ArrayOut(BaseModel):
+    shape: list[int]
+    dtype: str
+
+
+class DatasetOut(BaseModel):
+    path: str
+    bytes: int
+    arrays: dict[str, ArrayOut] = {}
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=DatasetOut,
+    responses={
+        401: {"model": ErrorOut},
+        409: {"model": ErrorOut, "description": "A dataset of that name exists"},
+        413: {"model": ErrorOut},
+        422: {"model": ErrorOut},
+    },
+)
+def upload_dataset(
+    file: Annotated[UploadFile, File(description="An .npz with x_train, y_train[, x_val, y_val]")],
+    name: Annotated[str, Form(min_length=1, max_length=100)],
+    principal: PrincipalDep,
+    settings: SettingsDep,
+) -> DatasetOut:
+    path, infos, size = datasets.store(
+        file.file,
+        name=name,
+        owner=principal.name,
+        data_dir=settings.resolved_data_dir(),
+        max_bytes=settings.max_upload_bytes,
+    )
+    return DatasetOut(
+        path=path,
+        bytes=size,
+        arrays={k: ArrayOut(shape=list(v.shape), dtype=v.dtype) for k, v in infos.items()},
+    )
+
+
+@router.get("", response_model=list[DatasetOut], responses={401: {"model": ErrorOut}})
+def list_datasets(settings: SettingsDep, _: PrincipalDep) -> list[dict[str, Any]]:
+    return datasets.listing(settings.resolved_data_dir())
