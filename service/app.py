@@ -17,9 +17,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.db import Database
 from service.deps import TokenCache
-from service.errors import HalfwayError
+from service.errors import HalfwayError, SpecError
 from service.metrics import MetricsRegistry, metrics_response, observe_requests
-from service.routes import artifacts, dashboard, datasets, history, jobs, meta
+from service.routes import artifacts, dashboard, datasets, history, jobs, meta, sweeps
 from service.schemas import LEGACY_AMP_ENV
 from service.settings import Settings
 
@@ -150,10 +150,9 @@ def create_app(
 
     @app.exception_handler(HalfwayError)
     async def _domain(_: Request, exc: HalfwayError) -> JSONResponse:
-        fields = None
-        field = getattr(exc, "field", None)
-        if field is not None:
-            fields = [{"field": field, "rule": getattr(exc, "rule", ""), "message": exc.detail}]  # type: ignore[attr-defined]
+        fields = getattr(exc, "fields", None)
+        if isinstance(exc, SpecError):
+            fields = [{"field": exc.field, "rule": exc.rule, "message": exc.detail}]
         response = _error(exc.status_code, exc.code, exc.message, fields)
         if exc.status_code == 401:
             response.headers["WWW-Authenticate"] = "Bearer"
@@ -180,6 +179,7 @@ def create_app(
     app.include_router(meta.router)
     app.include_router(artifacts.router)
     app.include_router(datasets.router)
+    app.include_router(sweeps.router)
     app.include_router(dashboard.router)
     dashboard.mount_static(app)
     app.add_middleware(

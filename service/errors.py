@@ -25,6 +25,17 @@ class SpecError(HalfwayError):
         self.detail = message
 
 
+class FieldErrors(HalfwayError):
+    """Several fields broke rules at once (e.g. variants of a sweep)."""
+
+    status_code = 422
+    code = "validation_error"
+
+    def __init__(self, fields: list[dict[str, str]]) -> None:
+        super().__init__("; ".join(f"{f['field']}: {f['message']}" for f in fields[:5]))
+        self.fields = fields
+
+
 class NotFound(HalfwayError):
     status_code = 404
     code = "not_found"

@@ -330,6 +330,12 @@ class TrainingSpec(StrictModel):
     checkpoint_every: int = Field(
         default=1000, ge=1, le=10**9, description="Steps between resumable checkpoints."
     )
+    target_loss: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e6,
+        description="Record when the loss (mean of the last 50 steps) first reaches this.",
+    )
 
 
 class FaultsSpec(StrictModel):
@@ -601,3 +607,79 @@ class Comparison(BaseModel):
     width: int
     origin: int
     jobs: list[ComparedJob] = Field(description="Every job on the same bucket grid.")
+
+
+# --------------------------------------------------------------------------------------------
+# Sweeps: one base spec, several precision variants, compared side by side
+
+
+class VariantSpec(StrictModel):
+    """What a variant changes in the base spec: its precision and/or loss scaling."""
+
+    name: str | None = Field(default=None, min_length=1, max_length=100)
+    precision: dict[str, Any] | None = None
+    loss_scale: dict[str, Any] | None = None
+
+
+class SweepSpec(StrictModel):
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+    base: dict[str, Any] = Field(
+        default_factory=dict,
+        description="A job spec; every variant uses its model, data, seed and training.",
+    )
+    variants: list[VariantSpec] = Field(default_factory=list, max_length=20)
+    policies: list[PolicyName] | None = Field(
+        default=None,
+        max_length=10,
+        description="Shorthand: one variant per policy name.",
+    )
+    target_loss: float | None = Field(
+        default=None, gt=0, le=1e6, description="Measure each variant's time to this loss."
+    )
+
+    @model_validator(mode="after")
+    def _some_variants(self) -> SweepSpec:
+        if self.policies:
+            self.variants = [
+                *self.variants,
+                *(VariantSpec(name=p, precision={"policy": p}) for p in self.policies),
+            ]
+            self.policies = None
+        if len(self.variants) < 1:
+            raise PydanticCustomError(
+                "no_variants", "give at least one variant (variants or policies)"
+            )
+        if len(self.variants) > 20:
+            raise PydanticCustomError("too_many_variants", "at most 20 variants")
+        return self
+
+
+class VariantResult(BaseModel):
+    job_id: int
+    name: str
+    status: str
+    error: str | None
+    policy: str
+    loss_scale_mode: str
+    examples_per_second: float | None
+    median_step_seconds: float | None = Field(description="Median after warm-up.")
+    speedup_vs_float32: float | None
+    time_to_target_seconds: float | None
+    step_to_target: int | None
+    final_loss: float | None = Field(description="The last epoch's mean training loss.")
+    final_metrics: dict[str, float] = Field(description="The last epoch's metrics.")
+    overflow_count: int
+    skipped_steps: int = Field(description="Updates skipped because gradients were not finite.")
+    final_loss_scale: float | None
+    min_loss_scale: float | None
+    peak_memory_bytes: float | None = Field(description="Where the device reports it (GPUs).")
+
+
+class SweepOut(BaseModel):
+    id: int
+    name: str
+    owner: str
+    created_at: datetime
+    target_loss: float | None
+    done: bool
+    variants: list[VariantResult]

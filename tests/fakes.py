@@ -84,4 +84,6 @@ def trainer(payload: dict[str, Any], conn: Connection) -> None:
             }
         )
     conn.send({"type": "metrics", "epoch": 0, "metrics": {"loss": 0.5}})
+    if "timing" in fake:
+        conn.send({"type": "metrics", "epoch": -1, "metrics": fake["timing"]})
     conn.send({"type": "done", "status": "succeeded", "error": None, "retryable": False})

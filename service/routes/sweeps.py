@@ -1,0 +1,38 @@
+"""Precision sweeps: ``POST /v1/sweeps`` creates one job per variant; ``GET /v1/sweeps/{id}``
+compares them side by side."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from service import sweeps
+from service.deps import PrincipalDep, SessionDep, SettingsDep, WriteSessionDep
+from service.models import utcnow
+from service.schemas import ErrorOut, SweepOut, SweepSpec
+
+router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=SweepOut,
+    responses={401: {"model": ErrorOut}, 422: {"model": ErrorOut}},
+)
+def create_sweep(
+    spec: SweepSpec, session: WriteSessionDep, principal: PrincipalDep, settings: SettingsDep
+) -> SweepOut:
+    row = sweeps.create_sweep(
+        session, owner=principal.name, sweep=spec, settings=settings, now=utcnow()
+    )
+    session.commit()
+    return sweeps.compare(session, row.id)
+
+
+@router.get(
+    "/{sweep_id}",
+    response_model=SweepOut,
+    responses={401: {"model": ErrorOut}, 404: {"model": ErrorOut}},
+)
+def get_sweep(sweep_id: int, session: SessionDep, _: PrincipalDep) -> SweepOut:
+    return sweeps.compare(session, sweep_id)

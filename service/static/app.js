@@ -1,0 +1,926 @@
+/* Halfway dashboard. Plain JavaScript, no build step; charts are uPlot (vendored).
+ *
+ * Rules this file keeps:
+ * - Job names, owners, errors, warnings and metrics are user-controlled: they only ever reach
+ *   the page through textContent / createTextNode, never innerHTML.
+ * - A polled resource is re-read with If-None-Match, and raw history only with an after_step
+ *   cursor, so an idle dashboard costs a few empty 304s every couple of seconds.
+ * - Long runs are drawn from buckets (min/max/last per bucket), never from a million raw rows.
+ */
+(function () {
+  "use strict";
+
+  // ---- Settings. Query parameters exist so tests (and the curious) can tune them. ----------
+
+  const params = new URLSearchParams(location.search);
+  const CONFIG = {
+    pollMs: intParam("poll_ms", 2000, 100, 60000),
+    // Beyond this many steps a job is drawn from buckets: raw rows would be megabytes of JSON
+    // and far more points than the chart has pixels.
+    bucketThreshold: intParam("bucket_threshold", 20000, 1, 100000000),
+    rawPageLimit: 10000, // the API's largest page
+    jobListLimit: 100,
+    maxCompare: 10,
+  };
+  const TOKEN_KEY = "halfway.token";
+  const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
+  const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b",
+    "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#d62728"];
+  const BLUE = "#1f6feb";
+  const GREEN = "#2da44e";
+  const RED = "#d1242f";
+
+  function intParam(name, fallback, min, max) {
+    const value = Number.parseInt(params.get(name) || "", 10);
+    return Number.isFinite(value) ? Math.min(max, Math.max(min, value)) : fallback;
+  }
+
+  // ---- Small DOM helpers --------------------------------------------------------------------
+
+  const $ = (selector) => document.querySelector(selector);
+
+  /** Create an element. Strings among the children become text nodes, never markup. */
+  function el(tag, props, ...children) {
+    const node = document.createElement(tag);
+    for (const [key, value] of Object.entries(props || {})) {
+      if (key === "text") node.textContent = value;
+      else if (key === "dataset") Object.assign(node.dataset, value);
+      else node[key] = value;
+    }
+    for (const child of children) {
+      if (child === null || child === undefined) continue;
+      node.append(typeof child === "string" ? document.createTextNode(child) : child);
+    }
+    return node;
+  }
+
+  function setText(node, text) {
+    if (node.textContent !== text) node.textContent = text;
+  }
+
+  // ---- Formatting ---------------------------------------------------------------------------
+
+  const intFormat = new Intl.NumberFormat("en-US");
+  const compactFormat = new Intl.NumberFormat("en-US", { notation: "compact" });
+  const SUPERSCRIPT = { "-": "⁻", 0: "⁰", 1: "¹", 2: "²", 3: "³", 4: "⁴",
+    5: "⁵", 6: "⁶", 7: "⁷", 8: "⁸", 9: "⁹" };
+
+  function fmtInt(n) {
+    return n === null || n === undefined ? "–" : intFormat.format(n);
+  }
+
+  function fmtNumber(v) {
+    if (v === null || v === undefined || !Number.isFinite(v)) return "–";
+    return String(Number(v.toPrecision(5)));
+  }
+
+  function powerOfTwo(v) {
+    if (!(v > 0)) return null;
+    const k = Math.log2(v);
+    return Number.isInteger(k) ? k : null;
+  }
+
+  function sup(k) {
+    return String(k).split("").map((c) => SUPERSCRIPT[c] || c).join("");
+  }
+
+  /** Loss scales are powers of two almost always; 2¹⁵ reads better than 32768 alone. */
+  function fmtScale(v) {
+    if (v === null || v === undefined) return "–";
+    const k = powerOfTwo(v);
+    return k === null ? fmtNumber(v) : `${fmtNumber(v)} (2${sup(k)})`;
+  }
+
+  function fmtScaleTick(v) {
+    const k = powerOfTwo(v);
+    return k === null ? fmtNumber(v) : `2${sup(k)}`;
+  }
+
+  function fmtStepTick(v) {
+    return Number.isInteger(v) ? compactFormat.format(v) : "";
+  }
+
+  function fmtLoss(value, flag) {
+    if (flag) return flag; // "nan", "inf", "-inf": JSON has no non-finite numbers
+    return fmtNumber(value);
+  }
+
+  function fmtTime(iso) {
+    return iso ? new Date(iso).toLocaleString() : "–";
+  }
+
+  // ---- Token ---------------------------------------------------------------------------------
+
+  /** `halfway serve` prints /?token=...; keep it in localStorage and out of the address bar,
+   * the history and bookmarks. A #token= fragment works too (it never reaches server logs). */
+  function takeTokenFromUrl() {
+    const url = new URL(location.href);
+    const fragment = new URLSearchParams(url.hash.slice(1));
+    const token = url.searchParams.get("token") || fragment.get("token");
+    if (!token) return;
+    localStorage.setItem(TOKEN_KEY, token.trim());
+    url.searchParams.delete("token");
+    fragment.delete("token");
+    const rest = fragment.toString();
+    history.replaceState(null, "", url.pathname + url.search + (rest ? "#" + rest : ""));
+  }
+
+  function storedToken() {
+    return localStorage.getItem(TOKEN_KEY);
+  }
+
+  function askForToken(message) {
+    stopPolling();
+    $("#app").hidden = true;
+    $("#forget-token").hidden = true;
+    $("#auth").hidden = false;
+    setText($("#auth-message"), message);
+    setLive("auth", "waiting for a token");
+    const input = $("#auth-token");
+    input.value = "";
+    input.focus();
+  }
+
+  function onTokenSubmit(event) {
+    event.preventDefault();
+    const token = $("#auth-token").value.trim();
+    if (!token) return;
+    localStorage.setItem(TOKEN_KEY, token);
+    etags.clear();
+    $("#auth").hidden = true;
+    startPolling();
+  }
+
+  function forgetToken() {
+    localStorage.removeItem(TOKEN_KEY);
+    etags.clear();
+    askForToken("Token forgotten. Paste a token to continue.");
+  }
+
+  // ---- API -----------------------------------------------------------------------------------
+
+  class HttpError extends Error {
+    constructor(status, message) {
+      super(message);
+      this.status = status;
+    }
+  }
+
+  // slot -> {url, etag, body}: one remembered response per polled resource, so the map stays
+  // small while cursors advance.
+  const etags = new Map();
+
+  async function errorMessage(response) {
+    try {
+      const body = await response.json();
+      return body.message || response.statusText;
+    } catch {
+      return response.statusText;
+    }
+  }
+
+  /** GET a JSON resource. With a slot, send If-None-Match for the slot's last ETag and
+   * answer a 304 from memory. Returns {body, changed}. */
+  async function api(url, slot) {
+    const headers = { Accept: "application/json" };
+    const token = storedToken();
+    if (token) headers.Authorization = "Bearer " + token;
+    const cached = slot ? etags.get(slot) : undefined;
+    if (cached && cached.url === url) headers["If-None-Match"] = cached.etag;
+    // no-store: we make the conditional requests ourselves and want to see the 304.
+    const response = await fetch(url, { headers, cache: "no-store" });
+    if (response.status === 304 && cached) return { body: cached.body, changed: false };
+    if (!response.ok) throw new HttpError(response.status, await errorMessage(response));
+    const body = await response.json();
+    const etag = response.headers.get("ETag");
+    if (slot && etag) etags.set(slot, { url, etag, body });
+    else if (slot) etags.delete(slot);
+    return { body, changed: true };
+  }
+
+  // ---- Polling -------------------------------------------------------------------------------
+
+  const poll = { on: false, timer: null, busy: false, again: false };
+
+  function startPolling() {
+    poll.on = true;
+    kick();
+  }
+
+  function stopPolling() {
+    poll.on = false;
+    clearTimeout(poll.timer);
+    poll.timer = null;
+  }
+
+  /** Refresh now (a click, the tab becoming visible) without ever running two refreshes at
+   * once: an overlapping one would move the history cursor twice. */
+  function kick() {
+    if (!poll.on) return;
+    if (poll.busy) {
+      poll.again = true;
+      return;
+    }
+    clearTimeout(poll.timer);
+    tick();
+  }
+
+  async function tick() {
+    poll.timer = null;
+    if (document.hidden) {
+      setLive("paused", "paused while the tab is hidden");
+      return; // visibilitychange kicks us again
+    }
+    poll.busy = true;
+    try {
+      await refresh();
+      setLive("live", "updated " + new Date().toLocaleTimeString());
+    } catch (err) {
+      if (err instanceof HttpError && err.status === 401) {
+        askForToken(storedToken()
+          ? `The server refused the token (${err.message}). Paste a valid token.`
+          : "This server needs an API token.");
+      } else {
+        setLive("error", String(err.message || err));
+        console.warn("refresh failed", err);
+      }
+    } finally {
+      poll.busy = false;
+    }
+    if (!poll.on) return;
+    if (poll.again) {
+      poll.again = false;
+      kick();
+    } else {
+      poll.timer = setTimeout(tick, CONFIG.pollMs);
+    }
+  }
+
+  async function refresh() {
+    await refreshJobs();
+    if (selection.id !== null) await refreshSelected();
+    if (comparison.ids.length >= 2) await refreshCompare();
+  }
+
+  function setLive(state, detail) {
+    const live = $("#live");
+    live.dataset.state = state;
+    setText(live, { live: "live", paused: "paused", error: "error", auth: "no token" }[state]);
+    live.title = detail || "";
+  }
+
+  // ---- Job list ------------------------------------------------------------------------------
+
+  const jobRows = new Map(); // job id -> <tr>, updated in place so checkboxes keep their state
+  let jobsById = new Map();
+
+  async function refreshJobs() {
+    const { body, changed } = await api(`/v1/jobs?limit=${CONFIG.jobListLimit}`, "jobs");
+    $("#app").hidden = false;
+    $("#forget-token").hidden = !storedToken();
+    if (!changed) return;
+    jobsById = new Map(body.items.map((job) => [job.id, job]));
+    renderJobs(body.items);
+    setText($("#jobs-note"), body.next_cursor ? `newest ${body.items.length} shown` : "");
+  }
+
+  function renderJobs(jobs) {
+    const tbody = $("#jobs tbody");
+    for (const [id, row] of jobRows) {
+      if (!jobsById.has(id)) {
+        row.remove();
+        jobRows.delete(id);
+      }
+    }
+    for (const job of jobs) {
+      let row = jobRows.get(job.id);
+      if (!row) {
+        row = createJobRow(job.id);
+        jobRows.set(job.id, row);
+      }
+      updateJobRow(row, job);
+      tbody.append(row); // moves an existing row into list order
+    }
+    $("#jobs-empty").hidden = jobs.length > 0;
+  }
+
+  function createJobRow(id) {
+    const box = el("input", { type: "checkbox", className: "compare-box" });
+    box.setAttribute("aria-label", `compare job ${id}`);
+    box.addEventListener("change", () => toggleCompare(id, box.checked));
+    const name = el("button", { type: "button", className: "link job-name" });
+    name.addEventListener("click", () => selectJob(id));
+    const row = el("tr", { dataset: { jobId: String(id) } },
+      el("td", { className: "pick" }, box, el("span", { className: "swatch" })),
+      el("td", { className: "name" }, name),
+      el("td", { className: "id num" }),
+      el("td", { className: "owner" }),
+      el("td", { className: "status-cell" }, el("span", { className: "status" })),
+      el("td", { className: "progress num" },
+        el("progress", { max: 1, value: 0 }), el("span", { className: "progress-text" })),
+      el("td", { className: "scale num" }),
+      el("td", { className: "overflows num" }));
+    // The whole row selects, except the checkbox (which only toggles comparison).
+    row.addEventListener("click", (event) => {
+      if (!event.target.closest("input")) selectJob(id);
+    });
+    return row;
+  }
+
+  function updateJobRow(row, job) {
+    const cell = (cls) => row.querySelector("." + cls);
+    setText(cell("job-name"), job.name);
+    setText(cell("id"), String(job.id));
+    setText(cell("owner"), job.owner);
+    renderStatus(cell("status"), job.status);
+    const { step, total_steps: total, fraction } = job.progress;
+    const bar = row.querySelector("progress");
+    bar.value = fraction || 0;
+    setText(cell("progress-text"), `${fmtInt(step ?? 0)} / ${fmtInt(total)}`);
+    setText(cell("scale"), fmtScale(job.summary.loss_scale));
+    setText(cell("overflows"), fmtInt(job.summary.overflow_count));
+    cell("overflows").classList.toggle("warn", job.summary.overflow_count > 0);
+    row.classList.toggle("selected", job.id === selection.id);
+  }
+
+  function renderStatus(node, status) {
+    setText(node, status);
+    // Only known statuses become class names; the text itself is set as text.
+    node.className = "status" + (STATUSES.includes(status) ? " status-" + status : "");
+  }
+
+  // ---- Charts --------------------------------------------------------------------------------
+
+  /** Only positive values can sit on a log axis; anything else is a gap. */
+  function positive(v) {
+    return v !== null && v !== undefined && v > 0 && Number.isFinite(v) ? v : null;
+  }
+
+  function chartWidth(node) {
+    return Math.max(300, Math.floor(node.getBoundingClientRect().width) || 600);
+  }
+
+  /** Buckets to ask for: one per horizontal pixel of the chart. */
+  function bucketPoints(node) {
+    return Math.min(5000, Math.max(50, chartWidth(node) - 70));
+  }
+
+  function lineSeries(label, color, extra) {
+    return { label, stroke: color, width: 1.5, points: { show: false }, ...extra };
+  }
+
+  function edgeSeries(label, color) {
+    // min/max edges of a band: faint lines so a lone spike still shows as a line.
+    return { label, stroke: color + "80", width: 1, points: { show: false }, class: "edge" };
+  }
+
+  function markerSeries(label, valueText) {
+    // No line, just red points: the steps (or buckets) with an overflow.
+    return {
+      label,
+      stroke: RED,
+      fill: RED,
+      width: 0,
+      paths: () => null,
+      points: { show: true, space: 0, size: 7, width: 1, stroke: "#fff", fill: RED },
+      value: (u, v) => (v === null || v === undefined ? "" : valueText),
+      class: "marker",
+    };
+  }
+
+  /** A loss chart and a loss-scale chart over the same steps, with one shared zoom. Dragging
+   * across either calls onZoom(from, to); a double-click calls onZoom(null). */
+  class ChartPair {
+    constructor(lossNode, scaleNode, syncKey, onZoom) {
+      this.nodes = [lossNode, scaleNode];
+      this.syncKey = syncKey;
+      this.onZoom = onZoom;
+      this.charts = [];
+      this.view = null;
+      this.pendingZoom = undefined;
+      this.resize = new ResizeObserver(() => this.fit());
+      this.resize.observe(lossNode);
+    }
+
+    build(loss, scale) {
+      this.destroy();
+      this.charts = [
+        this.make(this.nodes[0], loss, "loss", 10, fmtNumber, 220),
+        this.make(this.nodes[1], scale, "scale", 2, fmtScaleTick, 170),
+      ];
+    }
+
+    make(node, { series, bands }, scaleKey, logBase, tick, height) {
+      node.replaceChildren();
+      const opts = {
+        width: chartWidth(node),
+        height,
+        scales: { x: { time: false }, [scaleKey]: { distr: 3, log: logBase } },
+        axes: [
+          { values: (u, splits) => splits.map(fmtStepTick) },
+          { scale: scaleKey, size: 64, values: (u, splits) => splits.map(tick) },
+        ],
+        series: [{ label: "step", value: (u, v) => fmtInt(v) },
+          ...series.map((s) => ({ scale: scaleKey, ...s }))],
+        bands: bands || [],
+        legend: { live: true },
+        cursor: {
+          sync: { key: this.syncKey },
+          drag: { x: true, y: false, setScale: false },
+          // Our own double-click handler resets the zoom, also when it must re-query.
+          bind: { dblclick: () => null },
+        },
+        hooks: { setSelect: [(u) => this.selected(u)] },
+      };
+      const empty = [[], ...series.map(() => [])];
+      const chart = new uPlot(opts, empty, node);
+      chart.over.addEventListener("dblclick", () => this.zoom(null));
+      return chart;
+    }
+
+    selected(u) {
+      if (u.select.width < 3) return;
+      const from = Math.max(0, Math.floor(u.posToVal(u.select.left, "x")));
+      const to = Math.ceil(u.posToVal(u.select.left + u.select.width, "x"));
+      u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
+      this.zoom(to > from ? { from, to } : null);
+    }
+
+    zoom(view) {
+      // Both charts of a synced pair may report the same drag; apply it once.
+      const first = this.pendingZoom === undefined;
+      this.pendingZoom = view;
+      if (!first) return;
+      setTimeout(() => {
+        const next = this.pendingZoom;
+        this.pendingZoom = undefined;
+        if (JSON.stringify(next) === JSON.stringify(this.view)) return;
+        this.view = next;
+        this.onZoom(next);
+      }, 0);
+    }
+
+    setData(lossData, scaleData) {
+      [lossData, scaleData].forEach((data, i) => {
+        const chart = this.charts[i];
+        if (!chart) return;
+        chart.batch(() => {
+          chart.setData(data, true);
+          if (this.view) chart.setScale("x", { min: this.view.from, max: this.view.to });
+        });
+      });
+    }
+
+    fit() {
+      this.charts.forEach((chart, i) => {
+        const width = chartWidth(this.nodes[i]);
+        if (Math.abs(chart.width - width) > 2) chart.setSize({ width, height: chart.height });
+      });
+    }
+
+    destroy() {
+      this.charts.forEach((chart) => chart.destroy());
+      this.charts = [];
+    }
+  }
+
+  /** Series for one job in raw mode (one point per step). */
+  function rawLayout() {
+    return {
+      loss: { series: [lineSeries("loss", BLUE), markerSeries("overflow", "overflow")] },
+      scale: {
+        series: [
+          lineSeries("loss scale", GREEN, { paths: uPlot.paths.stepped({ align: 1 }),
+            value: (u, v) => fmtScale(v) }),
+          markerSeries("overflow", "overflow"),
+        ],
+      },
+    };
+  }
+
+  /** Series for one job (or several, for the comparison) drawn from buckets: last value as the
+   * line, a band between min and max so spikes are not averaged away, and red markers. */
+  function bucketLayout(jobs) {
+    const loss = { series: [], bands: [] };
+    const scale = { series: [], bands: [] };
+    const stepped = uPlot.paths.stepped({ align: 1 });
+    for (const { label, color } of jobs) {
+      const base = loss.series.length + 1; // +1: series 0 is x
+      loss.series.push(lineSeries(label ? `${label} loss` : "loss (last)", color),
+        edgeSeries(label ? `${label} min` : "min", color),
+        edgeSeries(label ? `${label} max` : "max", color),
+        markerSeries(label ? `${label} overflow` : "overflow", "overflow in bucket"));
+      loss.bands.push({ series: [base + 2, base + 1], fill: color + "33" });
+      scale.series.push(lineSeries(label ? `${label} scale` : "loss scale (last)", color,
+        { paths: stepped, value: (u, v) => fmtScale(v) }),
+      { ...edgeSeries(label ? `${label} min` : "min", color), paths: stepped },
+      { ...edgeSeries(label ? `${label} max` : "max", color), paths: stepped },
+      markerSeries(label ? `${label} overflow` : "overflow", "overflow in bucket"));
+      scale.bands.push({ series: [base + 2, base + 1], fill: color + "33" });
+    }
+    return { loss, scale };
+  }
+
+  /** Chart columns from raw rows. An overflow step whose loss is NaN/inf still gets its
+   * marker, drawn at the last finite loss before it. */
+  function rawColumns(raw) {
+    const n = raw.steps.length;
+    const loss = new Array(n);
+    const lossMarks = new Array(n);
+    const scale = new Array(n);
+    const scaleMarks = new Array(n);
+    let lastLoss = null;
+    let marks = 0;
+    for (let i = 0; i < n; i++) {
+      loss[i] = positive(raw.loss[i]);
+      if (loss[i] !== null) lastLoss = loss[i];
+      scale[i] = positive(raw.scale[i]);
+      const overflow = !raw.finite[i];
+      lossMarks[i] = overflow ? loss[i] ?? lastLoss ?? firstValue(raw.loss) : null;
+      scaleMarks[i] = overflow ? scale[i] ?? 1 : null;
+      if (overflow) marks++;
+    }
+    return {
+      loss: [raw.steps, loss, lossMarks],
+      scale: [raw.steps, scale, scaleMarks],
+      markers: marks,
+      overflowSteps: marks,
+    };
+  }
+
+  function firstValue(values) {
+    for (const v of values) if (positive(v) !== null) return v;
+    return 1;
+  }
+
+  /** Columns for buckets of several jobs on one shared x grid (a comparison), or of one. */
+  function bucketColumns(xs, perJob) {
+    const loss = [xs];
+    const scale = [xs];
+    let markers = 0;
+    let overflowSteps = 0;
+    for (const byX of perJob) {
+      const cols = [[], [], [], [], [], [], [], []];
+      let lastLoss = null;
+      for (const x of xs) {
+        const b = byX.get(x);
+        const last = b ? positive(b.loss_last) : null;
+        const lo = b ? positive(b.loss_min) : null;
+        const hi = b ? positive(b.loss_max) : null;
+        lastLoss = hi ?? last ?? lastLoss;
+        const overflow = b && b.overflow_count > 0;
+        cols[0].push(last);
+        cols[1].push(lo);
+        cols[2].push(hi);
+        cols[3].push(overflow ? hi ?? last ?? lastLoss ?? 1 : null);
+        cols[4].push(b ? positive(b.scale_last) : null);
+        cols[5].push(b ? positive(b.scale_min) : null);
+        cols[6].push(b ? positive(b.scale_max) : null);
+        cols[7].push(overflow ? positive(b.scale_max) ?? 1 : null);
+        if (overflow) {
+          markers++;
+          overflowSteps += b.overflow_count;
+        }
+      }
+      loss.push(cols[0], cols[1], cols[2], cols[3]);
+      scale.push(cols[4], cols[5], cols[6], cols[7]);
+    }
+    return { loss, scale, markers, overflowSteps };
+  }
+
+  function countMarkers(column) {
+    return column.reduce((n, v) => n + (v === null || v === undefined ? 0 : 1), 0);
+  }
+
+  // ---- The selected job ----------------------------------------------------------------------
+
+  const selection = { id: null, hist: null, pair: null, layout: null };
+
+  function selectJob(id) {
+    location.hash = "job=" + id; // hashchange does the rest; back/forward work too
+  }
+
+  function selectFromHash() {
+    const match = /(?:^|&)job=(\d+)/.exec(location.hash.slice(1));
+    const id = match ? Number(match[1]) : null;
+    if (id === selection.id) return;
+    selection.id = id;
+    selection.hist = id === null ? null : newHistory(id);
+    selection.layout = null;
+    if (selection.pair) selection.pair.destroy();
+    $("#job").hidden = id === null;
+    for (const [rowId, row] of jobRows) row.classList.toggle("selected", rowId === id);
+    kick();
+  }
+
+  function newHistory(jobId) {
+    return {
+      jobId,
+      mode: "raw",
+      raw: { steps: [], loss: [], scale: [], finite: [] },
+      cursor: -1,
+      hasMore: true, // nothing read yet
+      stale: true, // buckets must be (re)read even if the job did not change
+    };
+  }
+
+  async function refreshSelected() {
+    const hist = selection.hist;
+    let result;
+    try {
+      result = await api(`/v1/jobs/${hist.jobId}`, "job");
+    } catch (err) {
+      if (err instanceof HttpError && err.status === 404) {
+        setText($("#job-title"), `Job ${hist.jobId} not found`);
+        return;
+      }
+      throw err;
+    }
+    if (hist !== selection.hist) return; // another job was selected meanwhile
+    const job = result.body;
+    if (result.changed) renderJob(job);
+    const steps = job.progress.step || 0;
+    if (hist.mode === "raw" && steps > CONFIG.bucketThreshold) toBuckets(hist);
+    if (hist.mode === "raw") await pullRows(hist, result.changed);
+    else await pullBuckets(hist, result.changed);
+  }
+
+  function toBuckets(hist) {
+    hist.mode = "buckets";
+    hist.raw = null; // a long run's rows are not kept in the browser
+    hist.stale = true;
+  }
+
+  function ensureLayout(mode) {
+    if (selection.layout === mode) return;
+    selection.layout = mode;
+    if (!selection.pair) {
+      selection.pair = new ChartPair($("#loss-chart"), $("#scale-chart"), "job", onJobZoom);
+    }
+    selection.pair.view = null;
+    const layout = mode === "raw" ? rawLayout() : bucketLayout([{ label: "", color: BLUE }]);
+    selection.pair.build(layout.loss, layout.scale);
+  }
+
+  function onJobZoom(view) {
+    const hist = selection.hist;
+    $("#reset-zoom").hidden = view === null;
+    if (!hist) return;
+    if (hist.mode === "raw") {
+      drawRaw(hist); // every row is here already: zoom in the browser
+    } else {
+      hist.stale = true; // a narrower range gets narrower buckets, down to single steps
+      kick();
+    }
+  }
+
+  /** Raw rows past the cursor. When the job summary has not changed no row was written, so
+   * the request is skipped altogether. */
+  async function pullRows(hist, jobChanged) {
+    if (!jobChanged && !hist.hasMore) return;
+    for (let page = 0; page < 5 && hist.hasMore !== false; page++) {
+      const url = `/v1/jobs/${hist.jobId}/history?after_step=${hist.cursor}` +
+        `&limit=${CONFIG.rawPageLimit}`;
+      const { body } = await api(url, "history");
+      if (hist !== selection.hist) return;
+      appendRows(hist.raw, body.items);
+      hist.cursor = body.next_after_step;
+      hist.hasMore = body.has_more;
+      if (hist.raw.steps.length > CONFIG.bucketThreshold) {
+        toBuckets(hist);
+        await pullBuckets(hist, true);
+        return;
+      }
+      if (!hist.hasMore) break;
+    }
+    drawRaw(hist);
+  }
+
+  function appendRows(raw, items) {
+    for (const row of items) {
+      raw.steps.push(row.step);
+      // null loss (NaN/inf) stays null: a gap in the line
+      raw.loss.push(row.loss);
+      raw.scale.push(row.loss_scale);
+      raw.finite.push(row.finite);
+    }
+  }
+
+  function drawRaw(hist) {
+    ensureLayout("raw");
+    const cols = rawColumns(hist.raw);
+    selection.pair.setData(cols.loss, cols.scale);
+    const n = hist.raw.steps.length;
+    describeChart({
+      mode: "raw",
+      points: n,
+      width: 1,
+      markers: cols.markers,
+      overflowSteps: cols.overflowSteps,
+      text: `${fmtInt(n)} steps, one point each (raw rows) · ` +
+        `${fmtInt(cols.markers)} overflow steps marked`,
+    });
+  }
+
+  async function pullBuckets(hist, jobChanged) {
+    if (!jobChanged && !hist.stale) return;
+    const view = selection.layout === "buckets" ? selection.pair.view : null;
+    let url = `/v1/jobs/${hist.jobId}/history?points=${bucketPoints($("#loss-chart"))}`;
+    if (view) url += `&from_step=${view.from}&to_step=${view.to}`;
+    const { body, changed } = await api(url, "buckets");
+    if (hist !== selection.hist) return;
+    const wasStale = hist.stale;
+    hist.stale = false;
+    if (changed || wasStale) drawBuckets(body);
+  }
+
+  function drawBuckets(page) {
+    ensureLayout("buckets");
+    const xs = page.buckets.map((b) => b.first_step);
+    const byX = new Map(page.buckets.map((b) => [b.first_step, b]));
+    const cols = bucketColumns(xs, [byX]);
+    selection.pair.setData(cols.loss, cols.scale);
+    const what = page.width === 1 ? "one step each (exact)"
+      : `${fmtInt(page.width)} steps each; the band spans each bucket's min–max`;
+    describeChart({
+      mode: "buckets",
+      points: xs.length,
+      width: page.width,
+      markers: cols.markers,
+      overflowSteps: cols.overflowSteps,
+      text: `steps ${fmtInt(page.from_step)}–${fmtInt(page.to_step)} in ` +
+        `${fmtInt(xs.length)} buckets of ${what} · ${fmtInt(cols.markers)} buckets with ` +
+        `overflows marked (${fmtInt(cols.overflowSteps)} overflow steps)`,
+    });
+  }
+
+  /** Caption and data-* attributes (what the charts show, counted from the very columns
+   * handed to uPlot; the tests read them). */
+  function describeChart(info) {
+    const [lossChart, scaleChart] = selection.pair.charts;
+    const markerColumn = (chart) => chart.data[chart.series.findIndex((s) => s.class === "marker")];
+    Object.assign($("#loss-chart").dataset, {
+      mode: info.mode,
+      points: String(info.points),
+      bucketWidth: String(info.width),
+      overflowMarkers: String(countMarkers(markerColumn(lossChart))),
+      overflowSteps: String(info.overflowSteps),
+    });
+    $("#scale-chart").dataset.overflowMarkers = String(countMarkers(markerColumn(scaleChart)));
+    setText($("#job-mode"), info.mode === "raw" ? "raw steps"
+      : `buckets of ${fmtInt(info.width)} step${info.width === 1 ? "" : "s"}`);
+    setText($("#chart-caption"), info.text);
+  }
+
+  // ---- The selected job's summary -------------------------------------------------------------
+
+  function renderJob(job) {
+    const title = $("#job-title");
+    title.replaceChildren(el("span", { text: job.name }),
+      el("span", { className: "muted", text: ` #${job.id} · ${job.owner}` }));
+    renderStatus($("#job-status"), job.status);
+    renderSummary(job);
+    renderProblems(job);
+    renderMetrics(job.summary.metrics || {});
+  }
+
+  function renderSummary(job) {
+    const s = job.summary;
+    const p = job.progress;
+    const pct = p.fraction === null ? "" : ` (${Math.round(p.fraction * 100)}%)`;
+    const rows = [
+      ["Progress", `${fmtInt(p.step ?? 0)} / ${fmtInt(p.total_steps)} steps${pct}`],
+      ["Epoch", p.epoch === null ? "–" : String(p.epoch)],
+      ["Last loss", fmtLoss(s.last_loss, s.last_loss_nonfinite)],
+      ["Loss scale", fmtScale(s.loss_scale)],
+      ["Lowest scale", fmtScale(s.min_loss_scale)],
+      ["Overflow steps", fmtInt(s.overflow_count)],
+      ["Back-offs / growths", `${fmtInt(s.backoff_count)} / ${fmtInt(s.growth_count)}`],
+      ["Non-finite losses", fmtInt(s.nonfinite_loss_count)],
+      ["Steps/s", fmtNumber(s.steps_per_second)],
+      ["Attempt", `${job.attempt} of ${job.max_attempts}`],
+      ["Created", fmtTime(job.created_at)],
+      ["Finished", fmtTime(job.finished_at)],
+    ];
+    $("#job-summary").replaceChildren(...rows.flatMap(([term, value]) =>
+      [el("dt", { text: term }), el("dd", { text: value })]));
+  }
+
+  function renderProblems(job) {
+    const parts = [];
+    if (job.error) {
+      parts.push(el("h3", { text: "Error" }), el("pre", { className: "error", text: job.error }));
+    }
+    if (job.summary.guard_warning) {
+      parts.push(el("h3", { text: "Guard warning" }),
+        el("p", { className: "warning", text: job.summary.guard_warning }));
+    }
+    if (job.warnings && job.warnings.length) {
+      parts.push(el("h3", { text: "Warnings" }),
+        el("ul", { className: "warnings" }, ...job.warnings.map((w) => el("li", { text: w }))));
+    }
+    $("#job-problems").replaceChildren(...parts);
+  }
+
+  function renderMetrics(metrics) {
+    const entries = Object.entries(metrics);
+    const dl = $("#job-metrics");
+    if (!entries.length) {
+      dl.replaceChildren(el("dd", { className: "muted", text: "none yet" }));
+      return;
+    }
+    dl.replaceChildren(...entries.flatMap(([key, value]) => [
+      el("dt", { text: key }),
+      el("dd", { text: typeof value === "number" ? fmtNumber(value) : JSON.stringify(value) }),
+    ]));
+  }
+
+  // ---- Comparison -----------------------------------------------------------------------------
+
+  const comparison = { ids: [], pair: null, key: "", forceReload: false };
+
+  function toggleCompare(id, on) {
+    const ids = comparison.ids.filter((x) => x !== id);
+    if (on) ids.push(id);
+    comparison.ids = ids.slice(-CONFIG.maxCompare);
+    for (const [rowId, row] of jobRows) {
+      const index = comparison.ids.indexOf(rowId);
+      row.querySelector(".compare-box").checked = index >= 0;
+      row.querySelector(".swatch").style.background = index >= 0 ? COLORS[index] : "";
+    }
+    comparison.key = ""; // new set of jobs: re-read
+    $("#compare").hidden = comparison.ids.length < 2;
+    if (comparison.ids.length < 2 && comparison.pair) {
+      comparison.pair.destroy();
+      comparison.pair = null;
+    }
+    kick();
+  }
+
+  /** What the comparison depends on; when none of the jobs moved, skip the request. */
+  function comparisonKey() {
+    const view = comparison.pair ? JSON.stringify(comparison.pair.view) : "";
+    return comparison.ids.map((id) => {
+      const job = jobsById.get(id);
+      return job ? `${id}:${job.status}:${job.summary.last_step}` : `${id}:?`;
+    }).join(",") + view;
+  }
+
+  async function refreshCompare() {
+    const key = comparisonKey();
+    if (key === comparison.key) return;
+    if (!comparison.pair) {
+      comparison.pair = new ChartPair($("#compare-loss-chart"), $("#compare-scale-chart"),
+        "compare", () => {
+          comparison.key = "";
+          kick();
+        });
+    }
+    const ids = comparison.ids.slice();
+    const view = comparison.pair.view;
+    let url = `/v1/history?job_ids=${ids.join(",")}` +
+      `&points=${bucketPoints($("#compare-loss-chart"))}`;
+    if (view) url += `&from_step=${view.from}&to_step=${view.to}`;
+    const { body } = await api(url, "compare");
+    if (ids.join(",") !== comparison.ids.join(",")) return; // the set changed meanwhile
+    comparison.key = key;
+    drawCompare(body);
+  }
+
+  function drawCompare(page) {
+    // Every job is on the same grid: bucket i starts at origin + i * width for all of them.
+    const start = (b) => Math.max(page.from_step, page.origin + b.index * page.width);
+    const xs = [...new Set(page.jobs.flatMap((j) => j.buckets.map(start)))].sort((a, b) => a - b);
+    const perJob = page.jobs.map((j) => new Map(j.buckets.map((b) => [start(b), b])));
+    const layout = bucketLayout(page.jobs.map((j, i) => ({
+      label: `${j.name} #${j.job_id}`, color: COLORS[i % COLORS.length],
+    })));
+    const pair = comparison.pair;
+    const view = pair.view;
+    pair.build(layout.loss, layout.scale);
+    pair.view = view;
+    const cols = bucketColumns(xs, perJob);
+    pair.setData(cols.loss, cols.scale);
+    $("#compare-loss-chart").dataset.jobs = page.jobs.map((j) => j.job_id).join(",");
+    setText($("#compare-note"), `${page.jobs.length} jobs · steps ${fmtInt(page.from_step)}–` +
+      `${fmtInt(page.to_step)} · buckets of ${fmtInt(page.width)} steps · ` +
+      `${fmtInt(cols.markers)} buckets with overflows`);
+  }
+
+  // ---- Start -----------------------------------------------------------------------------------
+
+  function main() {
+    takeTokenFromUrl();
+    $("#auth-form").addEventListener("submit", onTokenSubmit);
+    $("#forget-token").addEventListener("click", forgetToken);
+    $("#reset-zoom").addEventListener("click", () => selection.pair && selection.pair.zoom(null));
+    window.addEventListener("hashchange", selectFromHash);
+    document.addEventListener("visibilitychange", () => document.hidden || kick());
+    selectFromHash();
+    // Try even without a token: a server started with --no-auth needs none, and one that does
+    // answers 401, which brings up the token form.
+    startPolling();
+  }
+
+  main();
+})();

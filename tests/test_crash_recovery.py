@@ -1,0 +1,136 @@
+"""A worker killed with SIGKILL mid-job: its training child dies with it, the lease expires,
+another worker reclaims the job (attempt 2), resumes from the checkpoint and completes it
+with exactly one history row per step. Real processes, real Keras, both databases."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.settings import Settings
+from tests.conftest import Api
+
+pytestmark = pytest.mark.keras
+
+HALFWAY = str(Path(sys.executable).parent / "halfway")
+
+
+def start_worker(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "HALFWAY_HOME": str(settings.home),
+        "HALFWAY_DATABASE_URL": settings.resolved_database_url(),
+        "HALFWAY_LEASE_SECONDS": "3",
+        "HALFWAY_POLL_SECONDS": "0.2",
+        "HALFWAY_HISTORY_FLUSH_SECONDS": "0.2",
+    }
+    out = log.open("ab")
+    return subprocess.Popen([HALFWAY, "worker"], env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        found |= {int(c) for c in text}
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sigkilled_worker_job_resumes_from_checkpoint_with_no_gap_and_no_duplicate(
+    api: Api, settings: Settings, tmp_path: Path
+) -> None:
+    spec = {
+        "data": {"samples": 3200, "features": 16, "classes": 4},
+        "model": {"input_size": 16, "hidden": [16], "num_classes": 4},
+        "training": {
+            "epochs": 40,
+            "batch_size": 32,
+            "steps_per_execution": 10,
+            "checkpoint_every": 200,
+        },
+        "loss_scale": {"growth_steps": 150},
+        "faults": {"nonfinite_at_steps": [30, 700, 701, 2500]},
+    }
+    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    total = 40 * 100
+    log = tmp_path / "workers.log"
+    first = start_worker(settings, log)
+    try:
+        wait_until(
+            lambda: (api.get(f"/v1/jobs/{job_id}").json()["summary"]["checkpoint_step"] or 0)
+            >= 400,
+            240,
+            "a checkpoint",
+        )
+        trainers = children(first.pid)
+        assert trainers, "the worker should have a training child"
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        # PR_SET_PDEATHSIG: the orphaned child must not keep training.
+        wait_until(lambda: not any(alive(p) for p in trainers), 30, "the orphan to die")
+    finally:
+        if first.poll() is None:
+            first.kill()
+    killed_at = api.get(f"/v1/jobs/{job_id}").json()
+    assert killed_at["status"] == "running" and killed_at["attempt"] == 1
+    checkpoint = killed_at["summary"]["checkpoint_step"]
+
+    second = start_worker(settings, log)
+    try:
+        wait_until(
+            lambda: api.get(f"/v1/jobs/{job_id}").json()["status"] not in ("queued", "running"),
+            300,
+            "the job to finish",
+        )
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=60)
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert job["status"] == "succeeded", job["error"] + log.read_text()[-3000:]
+    assert job["attempt"] == 2
+    rows: list[dict[str, Any]] = []
+    after = -1
+    while True:
+        page = api.get(f"/v1/jobs/{job_id}/history?after_step={after}&limit=10000").json()
+        rows += page["items"]
+        after = page["next_after_step"]
+        if not page["has_more"]:
+            break
+    assert [r["step"] for r in rows] == list(range(total))
+    overflows = [r["step"] for r in rows if not r["finite"]]
+    # The injected ones, plus the natural overflows of float16 once the scale has grown.
+    assert {30, 700, 701, 2500} <= set(overflows)
+    assert job["summary"]["overflow_count"] == len(overflows)
+    assert job["summary"]["last_step"] == total - 1
+    # The resumed attempt continued the loss-scale sequence from the checkpoint rather than
+    # starting again at the initial scale.
+    from tests.reference import expected_scales
+
+    assert [r["loss_scale"] for r in rows] == expected_scales(
+        [r["finite"] for r in rows], growth_steps=150
+    )
+    assert checkpoint >= 400
