@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from service import auth, migrate
+from service import auth, client_cli, migrate
 from service.db import Database
 from service.settings import Settings
 
@@ -223,6 +223,7 @@ def users_token(name: str) -> None:
 
 
 def main() -> None:
+    client_cli.register(app)
     app(prog_name="halfway")
 
 
