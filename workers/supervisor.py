@@ -30,6 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from service import history, jobs
 from service.db import Database
 from service.history import StepRecord
+from service.metrics import HISTORY_WRITE_LATENCY
 from service.models import utcnow
 from service.settings import Settings
 from workers import child
@@ -277,6 +278,7 @@ class Supervisor:
         False if the database was unreachable (everything stays pending for the next try)."""
         now = self.clock()
         pending = run.pending
+        started = time.perf_counter()
         try:
             with self.db.write() as session:
                 cancel = jobs.renew_lease(
@@ -312,6 +314,7 @@ class Supervisor:
             run.next_db_try = time.monotonic() + run.db_backoff
             run.db_backoff = min(run.db_backoff * 2, DB_RETRY_MAX_SECONDS)
             return False
+        HISTORY_WRITE_LATENCY.observe(time.perf_counter() - started)
         if run.db_down_since is not None:
             log.info("job %s: database back, wrote %d pending rows", run.job_id, len(pending))
         run.db_down_since = None
