@@ -18,6 +18,9 @@
     // Beyond this many steps a job is drawn from buckets: raw rows would be megabytes of JSON
     // and far more points than the chart has pixels.
     bucketThreshold: intParam("bucket_threshold", 20000, 1, 100000000),
+    // A running long job's buckets are re-read once it has advanced by a bucket's width (until
+    // then only the last bucket moved), and at least this often.
+    bucketRefreshMs: 10000,
     rawPageLimit: 10000, // the API's largest page
     jobListLimit: 100,
     maxCompare: 10,
@@ -61,7 +64,9 @@
   // ---- Formatting ---------------------------------------------------------------------------
 
   const intFormat = new Intl.NumberFormat("en-US");
-  const compactFormat = new Intl.NumberFormat("en-US", { notation: "compact" });
+  // Four significant digits, so neighbouring ticks of a zoomed axis (30.5K, 31K) stay distinct.
+  const compactFormat = new Intl.NumberFormat("en-US",
+    { notation: "compact", maximumSignificantDigits: 4 });
   const SUPERSCRIPT = { "-": "⁻", 0: "⁰", 1: "¹", 2: "²", 3: "³", 4: "⁴",
     5: "⁵", 6: "⁶", 7: "⁷", 8: "⁸", 9: "⁹" };
 
@@ -87,13 +92,20 @@
   /** Loss scales are powers of two almost always; 2¹⁵ reads better than 32768 alone. */
   function fmtScale(v) {
     if (v === null || v === undefined) return "–";
+    const exact = Number.isInteger(v) ? String(v) : fmtNumber(v); // 524288, not 524290
     const k = powerOfTwo(v);
-    return k === null ? fmtNumber(v) : `${fmtNumber(v)} (2${sup(k)})`;
+    return k === null ? exact : `${exact} (2${sup(k)})`;
   }
 
+  // Axis labels: uPlot passes null for the ticks it leaves unlabelled.
   function fmtScaleTick(v) {
+    if (v === null || v === undefined) return "";
     const k = powerOfTwo(v);
     return k === null ? fmtNumber(v) : `2${sup(k)}`;
+  }
+
+  function fmtLossTick(v) {
+    return v === null || v === undefined ? "" : fmtNumber(v);
   }
 
   function fmtStepTick(v) {
@@ -103,6 +115,10 @@
   function fmtLoss(value, flag) {
     if (flag) return flag; // "nan", "inf", "-inf": JSON has no non-finite numbers
     return fmtNumber(value);
+  }
+
+  function stepsEach(width) {
+    return width === 1 ? "1 step" : `${fmtInt(width)} steps`;
   }
 
   function fmtTime(iso) {
@@ -308,8 +324,8 @@
     const box = el("input", { type: "checkbox", className: "compare-box" });
     box.setAttribute("aria-label", `compare job ${id}`);
     box.addEventListener("change", () => toggleCompare(id, box.checked));
+    // A button so the keyboard can select too; its click bubbles to the row's handler.
     const name = el("button", { type: "button", className: "link job-name" });
-    name.addEventListener("click", () => selectJob(id));
     const row = el("tr", { dataset: { jobId: String(id) } },
       el("td", { className: "pick" }, box, el("span", { className: "swatch" })),
       el("td", { className: "name" }, name),
@@ -365,13 +381,18 @@
     return Math.min(5000, Math.max(50, chartWidth(node) - 70));
   }
 
+  const lossValue = (u, v) => fmtNumber(v);
+  const scaleValue = (u, v) => fmtScale(v);
+
   function lineSeries(label, color, extra) {
-    return { label, stroke: color, width: 1.5, points: { show: false }, ...extra };
+    return { label, stroke: color, width: 1.5, points: { show: false }, value: lossValue,
+      ...extra };
   }
 
-  function edgeSeries(label, color) {
+  function edgeSeries(label, color, extra) {
     // min/max edges of a band: faint lines so a lone spike still shows as a line.
-    return { label, stroke: color + "80", width: 1, points: { show: false }, class: "edge" };
+    return { label, stroke: color + "80", width: 1, points: { show: false }, class: "edge",
+      value: lossValue, ...extra };
   }
 
   function markerSeries(label, valueText) {
@@ -389,7 +410,7 @@
   }
 
   /** A loss chart and a loss-scale chart over the same steps, with one shared zoom. Dragging
-   * across either calls onZoom(from, to); a double-click calls onZoom(null). */
+   * across either calls onZoom({from, to}); a double-click calls onZoom(null). */
   class ChartPair {
     constructor(lossNode, scaleNode, syncKey, onZoom) {
       this.nodes = [lossNode, scaleNode];
@@ -405,7 +426,7 @@
     build(loss, scale) {
       this.destroy();
       this.charts = [
-        this.make(this.nodes[0], loss, "loss", 10, fmtNumber, 220),
+        this.make(this.nodes[0], loss, "loss", 10, fmtLossTick, 220),
         this.make(this.nodes[1], scale, "scale", 2, fmtScaleTick, 170),
       ];
     }
@@ -491,7 +512,7 @@
       scale: {
         series: [
           lineSeries("loss scale", GREEN, { paths: uPlot.paths.stepped({ align: 1 }),
-            value: (u, v) => fmtScale(v) }),
+            value: scaleValue }),
           markerSeries("overflow", "overflow"),
         ],
       },
@@ -503,23 +524,26 @@
   function bucketLayout(jobs) {
     const loss = { series: [], bands: [] };
     const scale = { series: [], bands: [] };
-    const stepped = uPlot.paths.stepped({ align: 1 });
+    const stepped = { paths: uPlot.paths.stepped({ align: 1 }), value: scaleValue };
     for (const { label, color } of jobs) {
+      // One job: plain legend names. Several: each prefixed with its job.
+      const name = (alone, suffix) => (label ? `${label} ${suffix}` : alone);
       const base = loss.series.length + 1; // +1: series 0 is x
-      loss.series.push(lineSeries(label ? `${label} loss` : "loss (last)", color),
-        edgeSeries(label ? `${label} min` : "min", color),
-        edgeSeries(label ? `${label} max` : "max", color),
-        markerSeries(label ? `${label} overflow` : "overflow", "overflow in bucket"));
-      loss.bands.push({ series: [base + 2, base + 1], fill: color + "33" });
-      scale.series.push(lineSeries(label ? `${label} scale` : "loss scale (last)", color,
-        { paths: stepped, value: (u, v) => fmtScale(v) }),
-      { ...edgeSeries(label ? `${label} min` : "min", color), paths: stepped },
-      { ...edgeSeries(label ? `${label} max` : "max", color), paths: stepped },
-      markerSeries(label ? `${label} overflow` : "overflow", "overflow in bucket"));
-      scale.bands.push({ series: [base + 2, base + 1], fill: color + "33" });
+      loss.series.push(lineSeries(name("loss (last)", "loss"), color),
+        edgeSeries(name("min", "min"), color),
+        edgeSeries(name("max", "max"), color),
+        markerSeries(name("overflow", "overflow"), "overflow in bucket"));
+      scale.series.push(lineSeries(name("loss scale (last)", "scale"), color, stepped),
+        edgeSeries(name("min", "min"), color, stepped),
+        edgeSeries(name("max", "max"), color, stepped),
+        markerSeries(name("overflow", "overflow"), "overflow in bucket"));
+      const band = { series: [base + 2, base + 1], fill: color + "33" }; // max over min
+      loss.bands.push(band);
+      scale.bands.push({ ...band });
     }
     return { loss, scale };
   }
+
 
   /** Chart columns from raw rows. An overflow step whose loss is NaN/inf still gets its
    * marker, drawn at the last finite loss before it. */
@@ -621,6 +645,7 @@
       cursor: -1,
       hasMore: true, // nothing read yet
       stale: true, // buckets must be (re)read even if the job did not change
+      drawn: { at: 0, step: 0, width: 1 }, // when and at which step buckets were last read
     };
   }
 
@@ -642,7 +667,9 @@
     const steps = job.progress.step || 0;
     if (hist.mode === "raw" && steps > CONFIG.bucketThreshold) toBuckets(hist);
     if (hist.mode === "raw") await pullRows(hist, result.changed);
-    else await pullBuckets(hist, result.changed);
+    else if (hist.stale || (result.changed && bucketsOutdated(hist, steps))) {
+      await pullBuckets(hist, steps);
+    }
   }
 
   function toBuckets(hist) {
@@ -658,6 +685,7 @@
       selection.pair = new ChartPair($("#loss-chart"), $("#scale-chart"), "job", onJobZoom);
     }
     selection.pair.view = null;
+    $("#reset-zoom").hidden = true;
     const layout = mode === "raw" ? rawLayout() : bucketLayout([{ label: "", color: BLUE }]);
     selection.pair.build(layout.loss, layout.scale);
   }
@@ -678,7 +706,8 @@
    * the request is skipped altogether. */
   async function pullRows(hist, jobChanged) {
     if (!jobChanged && !hist.hasMore) return;
-    for (let page = 0; page < 5 && hist.hasMore !== false; page++) {
+    // At most a few pages per refresh, so one poll never blocks the page for long.
+    for (let page = 0; page < 5; page++) {
       const url = `/v1/jobs/${hist.jobId}/history?after_step=${hist.cursor}` +
         `&limit=${CONFIG.rawPageLimit}`;
       const { body } = await api(url, "history");
@@ -688,7 +717,7 @@
       hist.hasMore = body.has_more;
       if (hist.raw.steps.length > CONFIG.bucketThreshold) {
         toBuckets(hist);
-        await pullBuckets(hist, true);
+        await pullBuckets(hist, hist.cursor + 1);
         return;
       }
       if (!hist.hasMore) break;
@@ -722,8 +751,12 @@
     });
   }
 
-  async function pullBuckets(hist, jobChanged) {
-    if (!jobChanged && !hist.stale) return;
+  function bucketsOutdated(hist, steps) {
+    const { at, step, width } = hist.drawn;
+    return steps - step >= width || Date.now() - at >= CONFIG.bucketRefreshMs;
+  }
+
+  async function pullBuckets(hist, steps) {
     const view = selection.layout === "buckets" ? selection.pair.view : null;
     let url = `/v1/jobs/${hist.jobId}/history?points=${bucketPoints($("#loss-chart"))}`;
     if (view) url += `&from_step=${view.from}&to_step=${view.to}`;
@@ -731,6 +764,7 @@
     if (hist !== selection.hist) return;
     const wasStale = hist.stale;
     hist.stale = false;
+    hist.drawn = { at: Date.now(), step: steps, width: body.width };
     if (changed || wasStale) drawBuckets(body);
   }
 
@@ -768,7 +802,7 @@
     });
     $("#scale-chart").dataset.overflowMarkers = String(countMarkers(markerColumn(scaleChart)));
     setText($("#job-mode"), info.mode === "raw" ? "raw steps"
-      : `buckets of ${fmtInt(info.width)} step${info.width === 1 ? "" : "s"}`);
+      : `${stepsEach(info.width)} per bucket`);
     setText($("#chart-caption"), info.text);
   }
 
@@ -837,7 +871,7 @@
 
   // ---- Comparison -----------------------------------------------------------------------------
 
-  const comparison = { ids: [], pair: null, key: "", forceReload: false };
+  const comparison = { ids: [], pair: null, key: "", builtFor: "" };
 
   function toggleCompare(id, on) {
     const ids = comparison.ids.filter((x) => x !== id);
@@ -853,6 +887,7 @@
     if (comparison.ids.length < 2 && comparison.pair) {
       comparison.pair.destroy();
       comparison.pair = null;
+      comparison.builtFor = "";
     }
     kick();
   }
@@ -896,14 +931,16 @@
       label: `${j.name} #${j.job_id}`, color: COLORS[i % COLORS.length],
     })));
     const pair = comparison.pair;
-    const view = pair.view;
-    pair.build(layout.loss, layout.scale);
-    pair.view = view;
+    const builtFor = page.jobs.map((j) => j.job_id).join(",");
+    if (pair.charts.length === 0 || comparison.builtFor !== builtFor) {
+      pair.build(layout.loss, layout.scale); // legends and colours follow the set of jobs
+      comparison.builtFor = builtFor;
+    }
     const cols = bucketColumns(xs, perJob);
     pair.setData(cols.loss, cols.scale);
     $("#compare-loss-chart").dataset.jobs = page.jobs.map((j) => j.job_id).join(",");
     setText($("#compare-note"), `${page.jobs.length} jobs · steps ${fmtInt(page.from_step)}–` +
-      `${fmtInt(page.to_step)} · buckets of ${fmtInt(page.width)} steps · ` +
+      `${fmtInt(page.to_step)} · ${stepsEach(page.width)} per bucket · ` +
       `${fmtInt(cols.markers)} buckets with overflows`);
   }
 

@@ -1,0 +1,554 @@
+"""The dashboard in a real browser (Debian's Chromium driven by Playwright) against the real
+app served by uvicorn: the token link, the job list, charts with every overflow marked, live
+updates by cursor, buckets for long runs and zoom, comparison, HTML injection and 401s; on
+SQLite, and on PostgreSQL when HALFWAY_TEST_DATABASE_URL is set."""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from playwright.sync_api import Browser, Page, Request, Response, expect, sync_playwright
+
+from service import history, jobs, specs
+from service.app import create_app
+from service.db import Database
+from service.history import StepRecord
+from service.models import Job, utcnow
+from service.schemas import JobSpec
+from service.settings import Settings
+from tests.conftest import Team
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+FAST = "poll_ms=200"  # the page polls every 2 s by default; tests need not wait that long
+PAYLOAD = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2">'
+SHORT_PAYLOAD = '<img src=x onerror="window.__pwned=3">'  # fits the 64-character owner
+
+pytestmark = pytest.mark.browser
+
+
+# --------------------------------------------------------------------------------------------
+# The server, the browser, and a page that records what it asked the API
+
+
+@contextmanager
+def serve(app: FastAPI) -> Iterator[str]:
+    """The app on a real socket (uvicorn in a thread), as a browser would reach it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # bound before uvicorn starts: no race for the port
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def base_url(settings: Settings, db: Database) -> Iterator[str]:
+    with serve(create_app(settings, db, auth=True)) as url:
+        yield url
+
+
+class Dashboard:
+    """One browser tab on the dashboard. Records every API request (URL, status, headers)
+    and every script error or Content-Security-Policy violation."""
+
+    def __init__(self, page: Page, base_url: str) -> None:
+        self.page = page
+        self.base_url = base_url
+        self.requests: list[Request] = []
+        self.responses: list[tuple[str, int]] = []
+        self.errors: list[str] = []
+        page.on("request", self._on_request)
+        page.on("response", self._on_response)
+        page.on("pageerror", lambda exc: self.errors.append(f"page error: {exc}"))
+        page.on(
+            "console",
+            lambda msg: (
+                self.errors.append(msg.text) if "Content Security Policy" in msg.text else None
+            ),
+        )
+
+    def _on_request(self, request: Request) -> None:
+        if "/v1/" in request.url:
+            self.requests.append(request)
+
+    def _on_response(self, response: Response) -> None:
+        if "/v1/" in response.url:
+            self.responses.append((response.url, response.status))
+
+    def open(self, path: str) -> None:
+        self.page.goto(self.base_url + path)
+
+    def history_queries(self, job_id: int) -> list[dict[str, str]]:
+        """Query parameters of each history request for one job, in order."""
+        out = []
+        for request in list(self.requests):
+            parts = urlsplit(request.url)
+            if parts.path == f"/v1/jobs/{job_id}/history":
+                out.append({k: v[0] for k, v in parse_qs(parts.query).items()})
+        return out
+
+    def job_row(self, job_id: int) -> Any:
+        return self.page.locator(f'#jobs tbody tr[data-job-id="{job_id}"]')
+
+    def local_token(self) -> Any:
+        return self.page.evaluate("localStorage.getItem('halfway.token')")
+
+
+@pytest.fixture
+def dash(browser: Browser, base_url: str) -> Iterator[Dashboard]:
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    context.set_default_timeout(10_000)
+    dashboard = Dashboard(context.new_page(), base_url)
+    yield dashboard
+    context.close()
+    assert dashboard.errors == [], "script errors or CSP violations on the page"
+
+
+# --------------------------------------------------------------------------------------------
+# Jobs and history straight into the database (no worker runs here)
+
+
+def add_job(
+    db: Database,
+    settings: Settings,
+    *,
+    name: str = "job",
+    owner: str = "alice",
+    status: str = "running",
+    total_steps: int | None = 1000,
+    **fields: Any,
+) -> int:
+    with db.write() as session:
+        job = jobs.create_job(
+            session,
+            owner=owner,
+            submitted=specs.normalize(JobSpec(name=name), settings),
+            now=utcnow(),
+        )
+        job.status = status
+        job.total_steps = total_steps
+        if status != "queued":
+            job.attempt = 1
+            job.started_at = utcnow()
+        for key, value in fields.items():
+            setattr(job, key, value)
+        session.flush()
+        return job.id
+
+
+def records(
+    start: int,
+    count: int,
+    *,
+    overflow_at: Sequence[int] = (),
+    nan_at: Sequence[int] = (),
+    scale: float = 32768.0,
+) -> list[StepRecord]:
+    """A decaying loss; the scale halves after each overflow step, as dynamic scaling does."""
+    overflows, nans = set(overflow_at), set(nan_at)
+    out = []
+    for step in range(start, start + count):
+        loss = math.nan if step in nans else 2.5 * 0.999**step + 0.05 * ((step * 7) % 11) / 11
+        finite = step not in overflows
+        out.append(StepRecord(step, step // 500, loss, scale, finite))
+        if not finite:
+            scale = max(1.0, scale / 2)
+    return out
+
+
+def write(db: Database, job_id: int, rows: list[StepRecord], batch: int = 20_000) -> None:
+    for i in range(0, len(rows), batch):
+        with db.write() as session:
+            job = session.get(Job, job_id)
+            assert job is not None
+            history.write_steps(session, job, rows[i : i + batch], now=utcnow())
+
+
+def wait_until(page: Page, check: Any, timeout: float = 10.0) -> None:
+    """Poll a condition on what the page recorded. Waits through Playwright, never with
+    time.sleep: the sync API only delivers the page's events while it is being called."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        page.wait_for_timeout(50)
+
+
+# --------------------------------------------------------------------------------------------
+# Serving
+
+
+def test_page_has_a_strict_content_security_policy_and_is_revalidated(
+    client: TestClient,
+) -> None:
+    page = client.get("/")
+    assert page.status_code == 200
+    directives = dict(
+        d.strip().split(" ", 1) for d in page.headers["content-security-policy"].split(";")
+    )
+    assert directives["script-src"] == "'self'"  # no inline script, no inline handlers
+    assert directives["frame-ancestors"] == "'none'"
+    assert page.headers["cache-control"] == "no-cache"
+    assert page.headers["referrer-policy"] == "no-referrer"
+    for path in ("/static/app.js", "/static/style.css", "/static/vendor/uplot/uPlot.iife.min.js"):
+        asset = client.get(path)
+        assert asset.status_code == 200, path
+        assert asset.headers["cache-control"] == "no-cache"
+    assert "uPlot 1.6.32" in client.get("/static/vendor/uplot/VERSION").text
+
+
+# --------------------------------------------------------------------------------------------
+# Token
+
+
+def test_token_link_is_stored_and_removed_from_the_address_bar(
+    dash: Dashboard, db: Database, settings: Settings, team: Team
+) -> None:
+    job_id = add_job(db, settings, name="first")
+    dash.open(f"/?token={team.alice}&{FAST}")
+    expect(dash.job_row(job_id)).to_be_visible()
+
+    assert dash.page.url == f"{dash.base_url}/?{FAST}"
+    assert dash.local_token() == team.alice
+    assert dash.requests
+    assert all(r.headers.get("authorization") == f"Bearer {team.alice}" for r in dash.requests)
+
+    # A plain visit later finds the token in local storage.
+    dash.open("/")
+    expect(dash.job_row(job_id)).to_be_visible()
+    expect(dash.page.locator("#auth")).to_be_hidden()
+    assert team.alice not in dash.page.url
+
+
+def test_a_refused_token_asks_for_another_and_the_new_one_is_used(
+    dash: Dashboard, db: Database, settings: Settings, team: Team
+) -> None:
+    job_id = add_job(db, settings, name="after-login")
+    dash.open(f"/?token=hw_not_a_real_token&{FAST}")
+    expect(dash.page.locator("#auth")).to_be_visible()
+    expect(dash.page.locator("#auth-message")).to_contain_text("refused")
+    expect(dash.page.locator("#app")).to_be_hidden()
+    assert any(urlsplit(u).path == "/v1/jobs" and s == 401 for u, s in dash.responses)
+
+    dash.page.fill("#auth-token", team.bob)
+    dash.page.click("#auth-form button[type=submit]")
+    expect(dash.job_row(job_id)).to_be_visible()
+    expect(dash.page.locator("#auth")).to_be_hidden()
+    assert dash.local_token() == team.bob
+
+
+def test_without_a_token_the_page_asks_for_one(dash: Dashboard, team: Team) -> None:
+    dash.open(f"/?{FAST}")
+    expect(dash.page.locator("#auth")).to_be_visible()
+    expect(dash.page.locator("#auth-message")).to_contain_text("needs an API token")
+    assert dash.local_token() is None
+
+
+def test_with_auth_off_no_token_is_needed(
+    browser: Browser, settings: Settings, db: Database
+) -> None:
+    job_id = add_job(db, settings, name="local")
+    with serve(create_app(settings, db, auth=False)) as url:
+        context = browser.new_context()
+        try:
+            dashboard = Dashboard(context.new_page(), url)
+            dashboard.open(f"/?{FAST}")
+            expect(dashboard.job_row(job_id)).to_be_visible()
+            expect(dashboard.page.locator("#auth")).to_be_hidden()
+            assert dashboard.errors == []
+        finally:
+            context.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Job list and one job's charts
+
+
+def test_job_list_shows_status_progress_scale_and_overflow_count(
+    dash: Dashboard, db: Database, settings: Settings, team: Team
+) -> None:
+    running = add_job(db, settings, name="mnist-fp16", owner="alice", total_steps=1000)
+    write(db, running, records(0, 300, overflow_at=[10, 20, 250]))
+    queued = add_job(db, settings, name="waiting", owner="bob", status="queued")
+    dash.open(f"/?token={team.alice}&{FAST}")
+
+    row = dash.job_row(running)
+    expect(row.locator(".job-name")).to_have_text("mnist-fp16")
+    expect(row.locator(".id")).to_have_text(str(running))
+    expect(row.locator(".owner")).to_have_text("alice")
+    expect(row.locator(".status")).to_have_text("running")
+    expect(row.locator(".progress-text")).to_have_text("300 / 1,000")
+    expect(row.locator(".scale")).to_have_text("4096 (2¹²)")  # 2^15 halved three times
+    expect(row.locator(".overflows")).to_have_text("3")
+    expect(dash.job_row(queued).locator(".status")).to_have_text("queued")
+    expect(dash.job_row(queued).locator(".overflows")).to_have_text("0")
+    # Newest first, as the API lists them.
+    ids = dash.page.locator("#jobs tbody tr").evaluate_all("rows => rows.map(r => r.dataset.jobId)")
+    assert ids == [str(queued), str(running)]
+
+
+def test_charts_render_and_mark_every_overflow_step(
+    dash: Dashboard, db: Database, settings: Settings, team: Team
+) -> None:
+    overflow_steps = [50, 51, 120, 300, 399]
+    job_id = add_job(
+        db,
+        settings,
+        name="overflowing",
+        status="failed",
+        error="guard: too many overflows",
+        metrics={"accuracy": 0.875},
+        steps_per_second=123.4,
+    )
+    # Step 51 overflows with a NaN loss: it still gets a marker on the loss chart.
+    write(db, job_id, records(0, 400, overflow_at=overflow_steps, nan_at=[51]))
+    dash.open(f"/?token={team.alice}&{FAST}")
+    dash.job_row(job_id).click()
+
+    loss_chart = dash.page.locator("#loss-chart")
+    expect(loss_chart).to_have_attribute("data-points", "400")
+    expect(loss_chart.locator("canvas")).to_have_count(1)
+    expect(dash.page.locator("#scale-chart canvas")).to_have_count(1)
+    expect(loss_chart).to_have_attribute("data-mode", "raw")
+    expect(loss_chart).to_have_attribute("data-overflow-markers", str(len(overflow_steps)))
+    expect(dash.page.locator("#scale-chart")).to_have_attribute(
+        "data-overflow-markers", str(len(overflow_steps))
+    )
+    expect(loss_chart.locator(".u-legend .marker")).to_have_count(1)  # "overflow" in the legend
+    assert "job=" in dash.page.url  # the selection survives a reload
+    summary = dash.page.locator("#job-summary")
+    expect(summary).to_contain_text("Steps/s")
+    expect(summary).to_contain_text("123.4")
+    expect(dash.page.locator("#job-problems pre.error")).to_have_text("guard: too many overflows")
+    expect(dash.page.locator("#job-metrics")).to_contain_text("accuracy")
+    expect(dash.page.locator("#job-status")).to_have_text("failed")
+
+
+def test_live_updates_fetch_only_new_rows(
+    dash: Dashboard, db: Database, settings: Settings, team: Team
+) -> None:
+    job_id = add_job(db, settings, name="live", total_steps=1000)
+    write(db, job_id, records(0, 100, overflow_at=[40]))
+    dash.open(f"/?token={team.alice}&{FAST}#job={job_id}")
+    loss_chart = dash.page.locator("#loss-chart")
+    expect(loss_chart).to_have_attribute("data-points", "100")
+    expect(loss_chart).to_have_attribute("data-overflow-markers", "1")
+
+    # While nothing is written the page re-reads the job (a 304 by ETag) and skips the
+    # history request altogether.
+    dash.page.wait_for_timeout(800)
+    assert [q["after_step"] for q in dash.history_queries(job_id)] == ["-1"]
+    job_url = f"{dash.base_url}/v1/jobs/{job_id}"
+    assert (job_url, 304) in dash.responses
+
+    tail = records(100, 60, overflow_at=[130], scale=16384.0)
+    write(db, job_id, tail)
+    expect(loss_chart).to_have_attribute("data-points", "160")
+    expect(loss_chart).to_have_attribute("data-overflow-markers", "2")
+    expect(dash.job_row(job_id).locator(".progress-text")).to_have_text("160 / 1,000")
+    expect(dash.job_row(job_id).locator(".overflows")).to_have_text("2")
+
+    cursors = [int(q["after_step"]) for q in dash.history_queries(job_id)]
+    assert cursors[0] == -1 and 99 in cursors
+    assert cursors == sorted(cursors), "the cursor never goes back"
+    assert cursors.count(-1) == 1, "the history is never read again from the start"
+    assert all("points" not in q for q in dash.history_queries(job_id))
+
+
+# --------------------------------------------------------------------------------------------
+# Long runs: buckets, zoom, and the switch from raw rows
+
+
+def drag(page: Page, selector: str, start: float, end: float) -> None:
+    """Drag across a uPlot chart from one fraction of its width to another."""
+    box = page.locator(f"{selector} .u-over").bounding_box()
+    assert box is not None
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(box["x"] + box["width"] * start, y)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * (start + end) / 2, y, steps=3)
+    page.mouse.move(box["x"] + box["width"] * end, y, steps=3)
+    page.mouse.up()
+
+
+def test_a_long_run_is_drawn_from_buckets_and_zoom_requeries_the_range(
+    dash: Dashboard, db: Database, settings: Settings, team: Team
+) -> None:
+    n = 25_000  # above the page's default threshold of 20,000 steps
+    overflow_steps = list(range(137, n, 997))
+    job_id = add_job(db, settings, name="long", status="succeeded", total_steps=n)
+    write(db, job_id, records(0, n, overflow_at=overflow_steps))
+    dash.open(f"/?token={team.alice}&{FAST}#job={job_id}")
+
+    loss_chart = dash.page.locator("#loss-chart")
+    expect(loss_chart).to_have_attribute("data-mode", "buckets")
+    expect(loss_chart).to_have_attribute("data-overflow-steps", str(len(overflow_steps)))
+    queries = dash.history_queries(job_id)
+    assert queries and all("points" in q and "after_step" not in q for q in queries)
+    points = int(queries[0]["points"])
+    assert 200 <= points <= 1300  # about the chart's width in pixels, not the step count
+
+    # Every bucket that holds an overflow has its marker.
+    page = httpx.get(
+        f"{dash.base_url}/v1/jobs/{job_id}/history?points={points}",
+        headers=Team.header(team.alice),
+    ).json()
+    with_overflow = sum(1 for b in page["buckets"] if b["overflow_count"] > 0)
+    expect(loss_chart).to_have_attribute("data-overflow-markers", str(with_overflow))
+    expect(dash.page.locator("#scale-chart")).to_have_attribute(
+        "data-overflow-markers", str(with_overflow)
+    )
+    width = int(loss_chart.get_attribute("data-bucket-width") or 0)
+    assert width > 1
+
+    # Zoom to ~2% of the run: the page asks for that range, and the buckets narrow to steps.
+    drag(dash.page, "#loss-chart", 0.40, 0.42)
+    wait_until(dash.page, lambda: any("from_step" in q for q in dash.history_queries(job_id)))
+    zoomed = [q for q in dash.history_queries(job_id) if "from_step" in q][-1]
+    lo, hi = int(zoomed["from_step"]), int(zoomed["to_step"])
+    assert 8_000 < lo < hi < 12_000 and hi - lo < 1_000
+    expect(loss_chart).to_have_attribute("data-bucket-width", "1")
+    expect(dash.page.locator("#reset-zoom")).to_be_visible()
+
+    # A double-click shows the whole run again (re-queried, as the zoomed buckets are all the
+    # page holds).
+    asked = len(dash.history_queries(job_id))
+    dash.page.locator("#scale-chart .u-over").dblclick()
+    wait_until(dash.page, lambda: len(dash.history_queries(job_id)) > asked)
+    assert "from_step" not in dash.history_queries(job_id)[-1]
+    expect(loss_chart).to_have_attribute("data-bucket-width", str(width))
+    expect(dash.page.locator("#reset-zoom")).to_be_hidden()
+
+
+def test_a_run_that_grows_past_the_threshold_switches_to_buckets(
+    dash: Dashboard, db: Database, settings: Settings, team: Team
+) -> None:
+    job_id = add_job(db, settings, name="growing", total_steps=5000)
+    write(db, job_id, records(0, 800, overflow_at=[100]))
+    dash.open(f"/?token={team.alice}&{FAST}&bucket_threshold=1000#job={job_id}")
+    loss_chart = dash.page.locator("#loss-chart")
+    expect(loss_chart).to_have_attribute("data-mode", "raw")
+    expect(loss_chart).to_have_attribute("data-points", "800")
+
+    write(db, job_id, records(800, 2200, overflow_at=[900, 2500], scale=16384.0))
+    expect(loss_chart).to_have_attribute("data-mode", "buckets")
+    expect(loss_chart).to_have_attribute("data-overflow-steps", "3")
+    queries = dash.history_queries(job_id)
+    switched = next(i for i, q in enumerate(queries) if "points" in q)
+    assert all("after_step" in q for q in queries[:switched])
+    assert all("points" in q for q in queries[switched:])
+
+    # Still live in bucket mode.
+    write(db, job_id, records(3000, 2000, overflow_at=[4000], scale=4096.0))
+    expect(loss_chart).to_have_attribute("data-overflow-steps", "4")
+
+
+# --------------------------------------------------------------------------------------------
+# Comparison
+
+
+def test_checked_jobs_are_overlaid_on_one_bucket_grid(
+    dash: Dashboard, db: Database, settings: Settings, team: Team
+) -> None:
+    first = add_job(db, settings, name="fp16-run", status="succeeded")
+    write(db, first, records(0, 600, overflow_at=[100, 200]))
+    second = add_job(db, settings, name="bf16-run", status="succeeded")
+    write(db, second, records(0, 900))
+    dash.open(f"/?token={team.alice}&{FAST}")
+    expect(dash.page.locator("#compare")).to_be_hidden()
+
+    dash.job_row(first).locator(".compare-box").check()
+    dash.job_row(second).locator(".compare-box").check()
+    compare = dash.page.locator("#compare")
+    expect(compare).to_be_visible()
+    expect(compare.locator("#compare-loss-chart")).to_have_attribute(
+        "data-jobs", f"{first},{second}"
+    )
+    expect(compare.locator("#compare-loss-chart canvas")).to_have_count(1)
+    expect(compare.locator("#compare-scale-chart canvas")).to_have_count(1)
+    expect(compare.locator("#compare-loss-chart .u-legend")).to_contain_text("fp16-run")
+    expect(compare.locator("#compare-loss-chart .u-legend")).to_contain_text("bf16-run")
+    asked = [r.url for r in dash.requests if urlsplit(r.url).path == "/v1/history"]
+    assert asked and parse_qs(urlsplit(asked[-1]).query)["job_ids"] == [f"{first},{second}"]
+    assert "points" in parse_qs(urlsplit(asked[-1]).query)
+    grid = httpx.get(asked[-1], headers=Team.header(team.alice)).json()
+    marked = sum(1 for j in grid["jobs"] for b in j["buckets"] if b["overflow_count"] > 0)
+    assert marked >= 1
+    expect(dash.page.locator("#compare-note")).to_contain_text(f" {marked} buckets with overflows")
+
+
+# --------------------------------------------------------------------------------------------
+# Injection
+
+
+def test_html_in_job_fields_is_shown_as_text_and_never_runs(
+    dash: Dashboard, db: Database, settings: Settings, team: Team
+) -> None:
+    job_id = add_job(
+        db,
+        settings,
+        name=PAYLOAD,
+        owner=SHORT_PAYLOAD,
+        status="failed",
+        error=PAYLOAD,
+        warnings=[PAYLOAD],
+        guard_warning=PAYLOAD,
+        metrics={PAYLOAD: PAYLOAD},
+    )
+    write(db, job_id, records(0, 50, overflow_at=[10]))
+    dash.open(f"/?token={team.alice}&{FAST}#job={job_id}")
+
+    row = dash.job_row(job_id)
+    expect(row.locator(".job-name")).to_have_text(PAYLOAD)
+    expect(row.locator(".owner")).to_have_text(SHORT_PAYLOAD)
+    expect(dash.page.locator("#job-title")).to_contain_text(PAYLOAD)
+    expect(dash.page.locator("#job-title")).to_contain_text(SHORT_PAYLOAD)
+    expect(dash.page.locator("#job-problems pre.error")).to_have_text(PAYLOAD)
+    expect(dash.page.locator("#job-problems .warning")).to_have_text(PAYLOAD)
+    expect(dash.page.locator("#job-problems ul.warnings li")).to_have_text(PAYLOAD)
+    expect(dash.page.locator("#job-metrics dt")).to_have_text(PAYLOAD)
+    expect(dash.page.locator("#loss-chart")).to_have_attribute("data-points", "50")
+
+    dash.page.wait_for_timeout(500)  # time for an injected onerror to fire, were there one
+    assert dash.page.evaluate("window.__pwned") is None
+    # Shown as text, so no element came from the payload (the CSP would only be a second line).
+    assert dash.page.locator("img").count() == 0
+    assert dash.page.locator("body script").count() == 2  # uPlot and app.js
