@@ -51,8 +51,12 @@ def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default 8000).")] = None,
     worker: Annotated[
-        bool, typer.Option("--worker/--no-worker", help="Run an embedded worker.")
-    ] = True,
+        bool | None,
+        typer.Option(
+            "--worker/--no-worker",
+            help="Run an embedded worker (default: HALFWAY_EMBEDDED_WORKER, true).",
+        ),
+    ] = None,
     no_auth: Annotated[
         bool,
         typer.Option("--no-auth", help="No tokens at all. Only allowed on a loopback address."),
@@ -80,7 +84,11 @@ def serve(
         raise typer.Exit(2)
     db = _database(settings)
     migrate.upgrade(db.engine)
-    base = f"http://{settings.host}:{settings.port}"
+    if worker is None:
+        worker = settings.embedded_worker
+    # A wildcard bind is not an address anyone can open; print one that is.
+    shown = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    base = f"http://{shown}:{settings.port}"
     if no_auth:
         typer.secho(
             "WARNING: authentication is OFF (--no-auth). Every request acts as admin 'local'. "
@@ -97,7 +105,8 @@ def serve(
             typer.echo(
                 "\nNo users yet, so Halfway created an admin. Its token is shown only now:\n\n"
                 f"    {token}\n\n"
-                f"Dashboard: {base}/?token={token}\n"
+                # '#token=' never reaches the server, so the token stays out of access logs.
+                f"Dashboard: {base}/#token={token}\n"
                 f"API:       curl -H 'Authorization: Bearer {token}' {base}/v1/jobs\n"
                 "More users: halfway users add NAME [--admin]\n",
                 err=True,
@@ -135,6 +144,10 @@ def worker(
         int, typer.Option(help="GPUs each supervisor holds (for multi-GPU jobs).")
     ] = 1,
     json_logs: Annotated[bool, typer.Option("--json-logs", help="Structured JSON logs.")] = False,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(help="Serve this worker's Prometheus metrics (history-write latency)."),
+    ] = None,
 ) -> None:
     """Run worker supervisors (no API) against the configured database."""
     from workers.gpus import parse_gpus, slots
@@ -150,6 +163,10 @@ def worker(
     except ValueError as exc:
         typer.echo(f"--gpus: {exc}", err=True)
         raise typer.Exit(2) from None
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=settings.host)
     supervisors = [
         Supervisor(db, settings, gpu_ids=group, worker_id=new_worker_id(f"s{i}"))
         for i, group in enumerate(groups)

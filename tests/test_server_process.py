@@ -60,7 +60,7 @@ def start_server(home: Path, *extra: str, env: dict[str, str] | None = None) -> 
         assert process.stdout is not None
         for line in process.stdout:
             output.append(line)
-            m = re.search(r"\?token=(hw_\S+)", line)
+            m = re.search(r"#token=(hw_\S+)", line)
             if m:
                 token_box.append(m.group(1))
 
