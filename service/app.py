@@ -49,6 +49,13 @@ def _validation_fields(exc: RequestValidationError) -> list[dict[str, str]]:
         if err.get("type") == "legacy_env_var":
             field = LEGACY_AMP_ENV
         message = str(err.get("msg", "invalid"))
+        if err.get("type") == "json_invalid":
+            # FastAPI puts the character offset in the location; the field is the body.
+            where = err.get("loc", ())[-1]
+            field = "body"
+            message = f"invalid JSON: {(err.get('ctx') or {}).get('error', 'cannot parse')}"
+            if isinstance(where, int):
+                message += f" (at character {where})"
         fields.append({"field": field or "body", "rule": str(err.get("type")), "message": message})
     return fields
 
@@ -59,6 +66,11 @@ def _error(
     return JSONResponse(
         {"error": code, "message": message, "fields": fields or []}, status_code=status
     )
+
+
+def _too_large_error(message: str) -> JSONResponse:
+    fields = [{"field": "body", "rule": "too_large", "message": message}]
+    return _error(413, "payload_too_large", message, fields)
 
 
 class BodySizeLimit:
@@ -88,7 +100,7 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise _TooLarge()
+                    raise _TooLarge(limit)
             return message
 
         try:
@@ -97,7 +109,7 @@ class BodySizeLimit:
             await self._reject(send, limit)
 
     async def _reject(self, send: Send, limit: int) -> None:
-        response = _error(413, "payload_too_large", f"request body exceeds {limit} bytes")
+        response = _too_large_error(_TooLarge(limit).detail)
         await send(
             {
                 "type": "http.response.start",
@@ -108,8 +120,35 @@ class BodySizeLimit:
         await send({"type": "http.response.body", "body": response.body})
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(StarletteHTTPException):
+    """Raised by ``receive`` once a streamed (chunked) body passes the limit. An HTTPException,
+    because FastAPI's body reader re-raises those and turns anything else into a 400."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds {limit} bytes")
+
+
+def _too_large(exc: BaseException | None) -> _TooLarge | None:
+    """The limit's exception behind FastAPI's 400: the metrics middleware reads the body in a
+    task group, which wraps what ``receive`` raised in an ExceptionGroup."""
+    if isinstance(exc, _TooLarge):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _too_large(inner)) is not None:
+                return found
+    return None
+
+
+def _unparseable(exc: StarletteHTTPException) -> str:
+    cause = exc.__cause__
+    if isinstance(cause, RecursionError):
+        return "the JSON is nested too deeply to parse"
+    if isinstance(cause, UnicodeError):
+        return "the body is not valid UTF-8 text"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return "the JSON holds a number literal too long to parse"
+    return str(exc.detail)
 
 
 def create_app(
@@ -160,7 +199,23 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, "http_error", str(exc.detail))
+        too_large = exc if exc.status_code == 413 else _too_large(exc.__cause__)
+        if too_large is not None:
+            return _too_large_error(str(too_large.detail))
+        if exc.status_code == 400:
+            # FastAPI and Starlette raise a 400 only for a body they cannot parse (bytes that
+            # are not UTF-8, JSON nested past the recursion limit, an integer literal of over
+            # 4300 digits, broken multipart). Like malformed JSON, that is a 422 naming the body.
+            message = _unparseable(exc)
+            return _error(
+                422,
+                "validation_error",
+                f"body: {message}",
+                [{"field": "body", "rule": "unparseable", "message": message}],
+            )
+        response = _error(exc.status_code, "http_error", str(exc.detail))
+        response.headers.update(exc.headers or {})  # e.g. Allow on a 405
+        return response
 
     @app.exception_handler(OperationalError)
     async def _database_down(_: Request, exc: OperationalError) -> JSONResponse:

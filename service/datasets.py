@@ -37,11 +37,18 @@ def read_headers(path: Path) -> dict[str, ArrayInfo]:
         ) from None
     infos: dict[str, ArrayInfo] = {}
     with archive:
-        for member in archive.infolist():
+        members = archive.infolist()
+        if len(members) > len(REQUIRED) + len(OPTIONAL):
+            raise SpecError(
+                "file",
+                "arrays",
+                f"holds {len(members)} files; at most x_train, y_train, x_val, y_val",
+            )
+        for member in members:
             if not member.filename.endswith(".npy"):
                 raise SpecError("file", "not_npz", f"holds {member.filename!r}, not an array")
-            with archive.open(member) as f:
-                try:
+            try:
+                with archive.open(member) as f:
                     version = np.lib.format.read_magic(f)
                     reader = (
                         np.lib.format.read_array_header_1_0
@@ -49,8 +56,14 @@ def read_headers(path: Path) -> dict[str, ArrayInfo]:
                         else np.lib.format.read_array_header_2_0
                     )
                     shape, _fortran, dtype = reader(f)
-                except ValueError as exc:
-                    raise SpecError("file", "not_npz", f"{member.filename}: {exc}") from None
+            except ValueError as exc:
+                raise SpecError("file", "not_npz", f"{member.filename}: {exc}") from None
+            # A corrupt local header (BadZipFile), an encrypted member (RuntimeError), a
+            # compression zipfile lacks (NotImplementedError), a truncated stream (EOFError).
+            except (zipfile.BadZipFile, RuntimeError, NotImplementedError, EOFError, OSError):
+                raise SpecError(
+                    "file", "not_npz", f"{member.filename} cannot be read as a plain zip member"
+                ) from None
             infos[member.filename.removesuffix(".npy")] = ArrayInfo(tuple(shape), str(dtype))
             if dtype.hasobject:
                 raise SpecError(
@@ -113,7 +126,7 @@ def store(
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / filename
     if target.exists():
-        raise Conflict(f"dataset {filename} already exists; upload under another name")
+        raise Conflict(f"dataset {filename} already exists; upload under another name", "name")
     fd, tmp_name = tempfile.mkstemp(dir=folder, suffix=".part")
     tmp = Path(tmp_name)
     try:
@@ -132,7 +145,9 @@ def store(
         validate(infos)
         os.link(tmp, target)  # fails if another upload took the name meanwhile
     except FileExistsError:
-        raise Conflict(f"dataset {filename} already exists; upload under another name") from None
+        raise Conflict(
+            f"dataset {filename} already exists; upload under another name", "name"
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
     return str(target.relative_to(data_dir.resolve())), infos, size

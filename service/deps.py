@@ -6,13 +6,26 @@ import time
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from service.auth import LOCAL_PRINCIPAL, Principal, authenticate, hash_token
 from service.db import Database
 from service.errors import Unauthorized
 from service.settings import Settings
+
+# Ids are INTEGER columns: 32-bit on PostgreSQL. A larger id in a URL is refused by validation
+# (422) instead of reaching the database, where it overflows the column type (a 500).
+MAX_ID = 2**31 - 1
+
+# Declares the scheme in the OpenAPI document (so /docs and clients know to send a bearer
+# token); ``current_principal`` below does the checking.
+BEARER = HTTPBearer(
+    auto_error=False,
+    scheme_name="bearer",
+    description="An API token (`halfway users add`): Authorization: Bearer <token>",
+)
 
 
 def get_db(request: Request) -> Database:
@@ -37,7 +50,11 @@ def write_session(db: Annotated[Database, Depends(get_db)]) -> Iterator[Session]
         yield session
 
 
-def current_principal(request: Request, db: Annotated[Database, Depends(get_db)]) -> Principal:
+def current_principal(
+    request: Request,
+    db: Annotated[Database, Depends(get_db)],
+    _bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)],
+) -> Principal:
     if not request.app.state.auth:
         return LOCAL_PRINCIPAL
     header = request.headers.get("authorization", "")
@@ -81,3 +98,5 @@ WriteSessionDep = Annotated[Session, Depends(write_session)]
 DbDep = Annotated[Database, Depends(get_db)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
+JobId = Annotated[int, Path(ge=1, le=MAX_ID, description="A job id.")]
+SweepId = Annotated[int, Path(ge=1, le=MAX_ID, description="A sweep id.")]

@@ -42,8 +42,15 @@ class NotFound(HalfwayError):
 
 
 class Conflict(HalfwayError):
+    """Well-formed, but it clashes with what exists. ``field`` names the input that clashes,
+    where one does (a reused Idempotency-Key, a dataset name that is taken)."""
+
     status_code = 409
     code = "conflict"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.fields = [{"field": field, "rule": "conflict", "message": message}] if field else []
 
 
 class Unauthorized(HalfwayError):

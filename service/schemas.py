@@ -39,6 +39,9 @@ LEGACY_AMP_EXPLANATION = (
 
 MAX_INT32 = 2**31 - 1
 
+# Names are labels for people: no control characters (PostgreSQL text cannot even hold NUL).
+NAME_PATTERN = r"^[^\x00-\x1f\x7f]*$"
+
 
 class StrictModel(BaseModel):
     """Input models: unknown fields and NaN/Infinity are refused."""
@@ -406,7 +409,7 @@ class OutputsSpec(StrictModel):
 
 
 class JobSpec(StrictModel):
-    name: str | None = Field(default=None, min_length=1, max_length=200)
+    name: str | None = Field(default=None, min_length=1, max_length=200, pattern=NAME_PATTERN)
     priority: int = Field(default=50, ge=0, le=100, description="Higher runs first.")
     max_attempts: int = Field(default=3, ge=1, le=20)
     precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
@@ -544,9 +547,27 @@ class ErrorField(BaseModel):
 
 
 class ErrorOut(BaseModel):
-    error: str
+    error: str = Field(description="A stable code: validation_error, not_found, conflict, ...")
     message: str
-    fields: list[ErrorField] = Field(default_factory=list)
+    fields: list[ErrorField] = Field(
+        description="For invalid input: each field (a dotted path, or 'body') and the rule it "
+        "broke. Empty for other errors."
+    )
+
+
+ERROR_DESCRIPTIONS = {
+    401: "Missing or invalid token",
+    403: "Only the job's owner or an admin may do this",
+    404: "No such job or sweep",
+    409: "Conflicts with the resource's state",
+    413: "Request body over the server's limit",
+    422: "Invalid input; names each field and the rule it broke",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses, all with the ErrorOut body."""
+    return {code: {"model": ErrorOut, "description": ERROR_DESCRIPTIONS[code]} for code in codes}
 
 
 class BucketOut(BaseModel):
@@ -616,13 +637,15 @@ class Comparison(BaseModel):
 class VariantSpec(StrictModel):
     """What a variant changes in the base spec: its precision and/or loss scaling."""
 
-    name: str | None = Field(default=None, min_length=1, max_length=100)
+    name: str | None = Field(default=None, min_length=1, max_length=100, pattern=NAME_PATTERN)
     precision: dict[str, Any] | None = None
     loss_scale: dict[str, Any] | None = None
 
 
 class SweepSpec(StrictModel):
-    name: str | None = Field(default=None, min_length=1, max_length=200)
+    # Each job is named '<sweep>/<variant>' (variant names are up to 100 characters) and a job
+    # name holds at most 200.
+    name: str | None = Field(default=None, min_length=1, max_length=99, pattern=NAME_PATTERN)
     base: dict[str, Any] = Field(
         default_factory=dict,
         description="A job spec; every variant uses its model, data, seed and training.",

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
+from service import datasets
 from service.errors import SpecError
 from service.policies import POLICIES
 from service.schemas import (
@@ -158,7 +159,14 @@ def _check_model_and_data(spec: JobSpec, settings: Settings, notes: list[str]) -
 
 
 def _check_data_path(data: NpzData, settings: Settings) -> None:
-    resolve_data_path(data.path, settings.resolved_data_dir())
+    path = resolve_data_path(data.path, settings.resolved_data_dir())
+    try:
+        # Only the .npy headers are read, nothing is unpickled: a file that is no archive of
+        # plain arrays (a renamed pickle, object arrays) never reaches a worker. Whether the
+        # arrays fit together is the worker's check, on the file it actually opens.
+        datasets.read_headers(path)
+    except SpecError as exc:
+        raise SpecError("data.path", exc.rule, f"{data.path}: {exc.detail}") from None
 
 
 def resolve_data_path(relative: str, data_dir: Path) -> Path:

@@ -81,8 +81,9 @@ def test_sigkilled_worker_job_resumes_from_checkpoint_with_no_gap_and_no_duplica
     first = start_worker(settings, log)
     try:
         wait_until(
-            lambda: (api.get(f"/v1/jobs/{job_id}").json()["summary"]["checkpoint_step"] or 0)
-            >= 400,
+            lambda: (
+                (api.get(f"/v1/jobs/{job_id}").json()["summary"]["checkpoint_step"] or 0) >= 400
+            ),
             240,
             "a checkpoint",
         )

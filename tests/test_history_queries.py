@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import math
 import random
@@ -60,7 +61,9 @@ def write(db: Database, job_id: int, records: list[StepRecord], batch: int = 997
             history.write_steps(s, job, records[i : i + batch], now=utcnow())
 
 
-def brute_force(records: list[StepRecord], lo: int, hi: int, origin: int, width: int) -> dict[int, dict[str, Any]]:
+def brute_force(
+    records: list[StepRecord], lo: int, hi: int, origin: int, width: int
+) -> dict[int, dict[str, Any]]:
     cells: dict[int, list[StepRecord]] = {}
     for r in records:
         if lo <= r.step <= hi:
@@ -89,7 +92,14 @@ def brute_force(records: list[StepRecord], lo: int, hi: int, origin: int, width:
     return out
 
 
-def check_buckets(api: Api, job_id: int, records: list[StepRecord], points: int, lo: int | None = None, hi: int | None = None) -> dict[str, Any]:
+def check_buckets(
+    api: Api,
+    job_id: int,
+    records: list[StepRecord],
+    points: int,
+    lo: int | None = None,
+    hi: int | None = None,
+) -> dict[str, Any]:
     query = f"points={points}"
     if lo is not None:
         query += f"&from_step={lo}"
@@ -126,7 +136,13 @@ def test_zoomed_ranges_with_unaligned_edges_equal_brute_force(api: Api, db: Data
     job_id = submit(api)
     records = synthetic_history(3000, seed=3)
     write(db, job_id, records)
-    for lo, hi, points in [(123, 2777, 5), (65, 127, 1), (1000, 1000, 10), (10, 2990, 33), (2500, 9999, 4)]:
+    for lo, hi, points in [
+        (123, 2777, 5),
+        (65, 127, 1),
+        (1000, 1000, 10),
+        (10, 2990, 33),
+        (2500, 9999, 4),
+    ]:
         check_buckets(api, job_id, records, points, lo, hi)
 
 
@@ -185,7 +201,9 @@ def test_bucket_response_has_an_etag(api: Api, db: Database) -> None:
     job_id = submit(api)
     write(db, job_id, synthetic_history(100, seed=1))
     r = api.get(f"/v1/jobs/{job_id}/history?points=10")
-    again = api.get(f"/v1/jobs/{job_id}/history?points=10", headers={"If-None-Match": r.headers["etag"]})
+    again = api.get(
+        f"/v1/jobs/{job_id}/history?points=10", headers={"If-None-Match": r.headers["etag"]}
+    )
     assert again.status_code == 304
 
 
@@ -214,7 +232,7 @@ def test_scale_events_are_every_change_with_its_reason(api: Api, db: Database) -
             "new_scale": b.loss_scale,
             "reason": "overflow" if b.loss_scale < a.loss_scale else "growth",
         }
-        for a, b in zip(records, records[1:], strict=False)
+        for a, b in itertools.pairwise(records)
         if a.loss_scale != b.loss_scale
     ]
     assert expected, "the synthetic history should change scale"
@@ -279,7 +297,9 @@ def test_event_stream_sends_new_steps_and_ends_with_the_job(
         assert job is not None
         job.status = "succeeded"
     write(db, job_id, records[50:])
-    with api.client.stream("GET", f"/v1/jobs/{job_id}/events?after_step=9", headers=api.headers) as r:
+    with api.client.stream(
+        "GET", f"/v1/jobs/{job_id}/events?after_step=9", headers=api.headers
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = _read_events(r.iter_lines())
     kinds = [k for k, _ in events]

@@ -10,9 +10,9 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
 from service import jobs
-from service.deps import PrincipalDep, SessionDep, SettingsDep
+from service.deps import JobId, PrincipalDep, SessionDep, SettingsDep
 from service.errors import NotFound
-from service.schemas import ErrorOut
+from service.schemas import error_responses
 
 router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
 
@@ -23,11 +23,7 @@ ARTIFACTS = {
 }
 DEFAULT_TAIL = 64 * 1024
 MAX_CHUNK = 4 * 1024 * 1024
-ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorOut},
-    404: {"model": ErrorOut},
-    422: {"model": ErrorOut},
-}
+ERRORS = error_responses(401, 404, 422)
 
 
 class ArtifactOut(BaseModel):
@@ -43,7 +39,7 @@ def job_dir(settings: Any, job_id: int) -> Path:
 
 @router.get("/{job_id}/artifacts", response_model=list[ArtifactOut], responses=ERRORS)
 def list_artifacts(
-    job_id: int, session: SessionDep, settings: SettingsDep, _: PrincipalDep
+    job_id: JobId, session: SessionDep, settings: SettingsDep, _: PrincipalDep
 ) -> list[ArtifactOut]:
     jobs.get_job(session, job_id)
     folder = job_dir(settings, job_id)
@@ -67,7 +63,7 @@ def list_artifacts(
     responses={200: {"content": {"application/octet-stream": {}}}, **ERRORS},
 )
 def get_artifact(
-    job_id: int, name: str, session: SessionDep, settings: SettingsDep, _: PrincipalDep
+    job_id: JobId, name: str, session: SessionDep, settings: SettingsDep, _: PrincipalDep
 ) -> Response:
     jobs.get_job(session, job_id)
     if name not in ARTIFACTS:
@@ -84,7 +80,7 @@ def get_artifact(
     responses={200: {"content": {"text/plain": {}}}, **ERRORS},
 )
 def get_logs(
-    job_id: int,
+    job_id: JobId,
     session: SessionDep,
     settings: SettingsDep,
     _: PrincipalDep,

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from service import datasets
 from service.deps import PrincipalDep, SettingsDep
-from service.schemas import ErrorOut
+from service.schemas import ErrorOut, error_responses
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
@@ -31,10 +31,8 @@ class DatasetOut(BaseModel):
     status_code=201,
     response_model=DatasetOut,
     responses={
-        401: {"model": ErrorOut},
+        **error_responses(401, 413, 422),
         409: {"model": ErrorOut, "description": "A dataset of that name exists"},
-        413: {"model": ErrorOut},
-        422: {"model": ErrorOut},
     },
 )
 def upload_dataset(
@@ -57,6 +55,6 @@ def upload_dataset(
     )
 
 
-@router.get("", response_model=list[DatasetOut], responses={401: {"model": ErrorOut}})
+@router.get("", response_model=list[DatasetOut], responses=error_responses(401))
 def list_datasets(settings: SettingsDep, _: PrincipalDep) -> list[dict[str, Any]]:
     return datasets.listing(settings.resolved_data_dir())

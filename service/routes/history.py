@@ -18,7 +18,7 @@ from sqlalchemy import select
 
 from service import history, jobs
 from service.db import Database
-from service.deps import DbDep, PrincipalDep, SessionDep
+from service.deps import MAX_ID, DbDep, JobId, PrincipalDep, SessionDep
 from service.errors import SpecError
 from service.etag import etag_response
 from service.models import FINISHED_STATUSES, ScaleEvent, Step
@@ -28,11 +28,11 @@ from service.schemas import (
     BucketPage,
     ComparedJob,
     Comparison,
-    ErrorOut,
     HistoryPage,
     ScaleEventOut,
     ScaleEventPage,
     StepOut,
+    error_responses,
     json_float,
     loss_flag,
 )
@@ -41,11 +41,7 @@ router = APIRouter(tags=["history"])
 
 MAX_STEP = 2**31 - 1
 MAX_POINTS = 5000
-ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorOut},
-    404: {"model": ErrorOut},
-    422: {"model": ErrorOut},
-}
+ERRORS = error_responses(401, 404, 422)
 CSV_CHUNK = 10_000
 SSE_POLL_SECONDS = 1.0
 SSE_KEEPALIVE_SECONDS = 15.0
@@ -99,7 +95,7 @@ def _range(
     responses={304: {"description": "Not modified (If-None-Match)"}, **ERRORS},
 )
 def get_history(
-    job_id: int,
+    job_id: JobId,
     request: Request,
     session: SessionDep,
     _: PrincipalDep,
@@ -150,7 +146,7 @@ def get_history(
     responses={304: {"description": "Not modified (If-None-Match)"}, **ERRORS},
 )
 def get_scale_events(
-    job_id: int,
+    job_id: JobId,
     request: Request,
     session: SessionDep,
     _: PrincipalDep,
@@ -192,7 +188,7 @@ def get_scale_events(
     response_class=StreamingResponse,
     responses={200: {"content": {"text/csv": {}}}, **ERRORS},
 )
-def get_history_csv(job_id: int, session: SessionDep, db: DbDep, _: PrincipalDep) -> Response:
+def get_history_csv(job_id: JobId, session: SessionDep, db: DbDep, _: PrincipalDep) -> Response:
     jobs.get_job(session, job_id)  # 404 before streaming starts
     return StreamingResponse(
         _csv_rows(db, job_id),
@@ -231,7 +227,7 @@ def _csv_rows(db: Database, job_id: int) -> Iterator[str]:
     responses={200: {"content": {"text/event-stream": {}}}, **ERRORS},
 )
 def stream_events(
-    job_id: int,
+    job_id: JobId,
     request: Request,
     session: SessionDep,
     db: DbDep,
@@ -300,7 +296,7 @@ def compare_history(
     job_ids: Annotated[
         str,
         Query(
-            pattern=r"^[0-9]{1,12}(,[0-9]{1,12}){0,19}$",
+            pattern=r"^[0-9]{1,10}(,[0-9]{1,10}){0,19}$",
             description="Comma-separated job ids (up to 20).",
         ),
     ],
@@ -310,6 +306,8 @@ def compare_history(
 ) -> Comparison:
     """Several jobs on one bucket grid, aligned by step, for overlaying runs."""
     ids = list(dict.fromkeys(int(i) for i in job_ids.split(",")))
+    if not all(1 <= i <= MAX_ID for i in ids):
+        raise SpecError("job_ids", "range", f"job ids lie between 1 and {MAX_ID}")
     found = [jobs.get_job(session, i) for i in ids]
     ranges = [r for r in (history.step_range(session, j.id) for j in found) if r is not None]
     if from_step is not None and to_step is not None and to_step < from_step:

@@ -12,28 +12,23 @@ from sqlalchemy.exc import IntegrityError
 
 from service import jobs, specs
 from service.auth import require_owner_or_admin
-from service.deps import PrincipalDep, SessionDep, SettingsDep, WriteSessionDep
+from service.deps import MAX_ID, JobId, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep
 from service.errors import Conflict
 from service.etag import etag_response
 from service.models import Job, utcnow
 from service.schemas import (
-    ErrorOut,
     JobOut,
     JobPage,
     JobSpec,
     Progress,
     SubmitResult,
     Summary,
+    error_responses,
     json_float,
     loss_flag,
 )
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-
-ERRORS: dict[int | str, dict[str, object]] = {
-    401: {"model": ErrorOut, "description": "Missing or invalid token"},
-    422: {"model": ErrorOut, "description": "Invalid input; names the field and the rule"},
-}
 
 
 def job_out(job: Job) -> JobOut:
@@ -90,12 +85,11 @@ def job_out(job: Job) -> JobOut:
     response_model=JobOut,
     responses={
         200: {
-            "model": SubmitResult,
+            "model": SubmitResult | JobOut,
             "description": "dry_run: the normalized spec, nothing stored; or the job an "
             "earlier request with the same Idempotency-Key created",
         },
-        409: {"model": ErrorOut, "description": "Idempotency-Key reused with another body"},
-        **ERRORS,
+        **error_responses(401, 409, 413, 422),
     },
 )
 def submit_job(
@@ -145,7 +139,8 @@ def _replay(earlier: Job, body_hash: str) -> Response:
     if earlier.body_hash != body_hash:
         raise Conflict(
             "Idempotency-Key was already used with a different body "
-            f"(job {earlier.id}); use a new key for a new job"
+            f"(job {earlier.id}); use a new key for a new job",
+            field="Idempotency-Key",
         )
     return JSONResponse(
         job_out(earlier).model_dump(mode="json"),
@@ -154,7 +149,7 @@ def _replay(earlier: Job, body_hash: str) -> Response:
     )
 
 
-@router.get("", response_model=JobPage, responses=ERRORS)
+@router.get("", response_model=JobPage, responses=error_responses(401, 422))
 def list_jobs(
     session: SessionDep,
     _: PrincipalDep,
@@ -163,12 +158,14 @@ def list_jobs(
     cursor: Annotated[str | None, Query(pattern=r"^[0-9]{1,12}$")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
 ) -> JobPage:
+    if owner is not None and "\x00" in owner:
+        # No user name holds a NUL, and PostgreSQL refuses one in a query.
+        return JobPage(items=[], next_cursor=None)
+    before_id = int(cursor) if cursor else None
+    if before_id is not None and before_id > MAX_ID:
+        before_id = None  # every id is below it (ids are 32-bit)
     rows, next_id = jobs.list_jobs(
-        session,
-        status=status,
-        owner=owner,
-        before_id=int(cursor) if cursor else None,
-        limit=limit,
+        session, status=status, owner=owner, before_id=before_id, limit=limit
     )
     return JobPage(items=[job_out(j) for j in rows], next_cursor=str(next_id) if next_id else None)
 
@@ -178,12 +175,11 @@ def list_jobs(
     response_model=JobOut,
     responses={
         304: {"description": "Not modified (If-None-Match)"},
-        404: {"model": ErrorOut},
-        **ERRORS,
+        **error_responses(401, 404, 422),
     },
 )
 def get_job(
-    job_id: int,
+    job_id: JobId,
     request: Request,
     session: SessionDep,
     _: PrincipalDep,
@@ -195,14 +191,9 @@ def get_job(
     "/{job_id}/cancel",
     status_code=202,
     response_model=JobOut,
-    responses={
-        403: {"model": ErrorOut},
-        404: {"model": ErrorOut},
-        409: {"model": ErrorOut, "description": "Already finished"},
-        **ERRORS,
-    },
+    responses=error_responses(401, 403, 404, 409, 422),
 )
-def cancel_job(job_id: int, session: WriteSessionDep, principal: PrincipalDep) -> JobOut:
+def cancel_job(job_id: JobId, session: WriteSessionDep, principal: PrincipalDep) -> JobOut:
     job = jobs.get_job(session, job_id)
     require_owner_or_admin(principal, job.owner, "cancel")
     job = jobs.request_cancel(session, job_id, utcnow())
@@ -218,15 +209,10 @@ class JobPatch(BaseModel):
 @router.patch(
     "/{job_id}",
     response_model=JobOut,
-    responses={
-        403: {"model": ErrorOut},
-        404: {"model": ErrorOut},
-        409: {"model": ErrorOut},
-        **ERRORS,
-    },
+    responses=error_responses(401, 403, 404, 409, 413, 422),
 )
 def patch_job(
-    job_id: int, patch: JobPatch, session: WriteSessionDep, principal: PrincipalDep
+    job_id: JobId, patch: JobPatch, session: WriteSessionDep, principal: PrincipalDep
 ) -> JobOut:
     job = jobs.get_job(session, job_id)
     require_owner_or_admin(principal, job.owner, "change the priority of")

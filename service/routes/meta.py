@@ -7,12 +7,12 @@ from sqlalchemy import text
 
 from service.deps import DbDep, PrincipalDep
 from service.policies import POLICIES
-from service.schemas import PolicyOut
+from service.schemas import PolicyOut, error_responses
 
 router = APIRouter(tags=["meta"])
 
 
-@router.get("/v1/policies", response_model=list[PolicyOut])
+@router.get("/v1/policies", response_model=list[PolicyOut], responses=error_responses(401))
 def list_policies(_: PrincipalDep) -> list[PolicyOut]:
     return [
         PolicyOut(

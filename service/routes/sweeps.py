@@ -6,9 +6,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from service import sweeps
-from service.deps import PrincipalDep, SessionDep, SettingsDep, WriteSessionDep
+from service.deps import PrincipalDep, SessionDep, SettingsDep, SweepId, WriteSessionDep
 from service.models import utcnow
-from service.schemas import ErrorOut, SweepOut, SweepSpec
+from service.schemas import SweepOut, SweepSpec, error_responses
 
 router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
 
@@ -17,7 +17,7 @@ router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
     "",
     status_code=201,
     response_model=SweepOut,
-    responses={401: {"model": ErrorOut}, 422: {"model": ErrorOut}},
+    responses=error_responses(401, 413, 422),
 )
 def create_sweep(
     spec: SweepSpec, session: WriteSessionDep, principal: PrincipalDep, settings: SettingsDep
@@ -32,7 +32,7 @@ def create_sweep(
 @router.get(
     "/{sweep_id}",
     response_model=SweepOut,
-    responses={401: {"model": ErrorOut}, 404: {"model": ErrorOut}},
+    responses=error_responses(401, 404, 422),
 )
-def get_sweep(sweep_id: int, session: SessionDep, _: PrincipalDep) -> SweepOut:
+def get_sweep(sweep_id: SweepId, session: SessionDep, _: PrincipalDep) -> SweepOut:
     return sweeps.compare(session, sweep_id)

@@ -1,0 +1,263 @@
+"""API fuzzing: schemathesis generates requests from Halfway's own OpenAPI document (schema-valid
+ones and schema-breaking ones) for every operation, sends them with a valid token through the
+real app, on SQLite and PostgreSQL, and checks each answer:
+
+- never a 5xx;
+- the status code is documented for the operation, the content type and body match the
+  schema (so every error body is ErrorOut: error, message, fields);
+- a request that breaks the schema is refused (4xx);
+- a schema-valid request is accepted, except where a rule spans fields (see ``CROSS_FIELD``);
+- every 422, and every refusal of a job or sweep spec (bar a 401), names in ``fields`` a field
+  or parameter the operation has.
+
+Bounded so CI stays fast and reproducible: ``EXAMPLES`` per operation and mode, derandomized,
+no example database. The event stream (``/events``) ends only when its job does, so its
+schema-valid requests are aimed at a job that has already finished; its schema-breaking ones
+are refused before any streaming starts (and ``STREAM_TIMEOUT`` cuts a stream short anyway).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import hypothesis
+import pytest
+import schemathesis
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given
+from hypothesis import strategies as st
+from schemathesis.config import SchemathesisConfig
+from schemathesis.generation.modes import GenerationMode
+
+from service import history
+from service.db import Database
+from service.history import StepRecord
+from service.models import Job, utcnow
+from service.routes import history as history_routes
+from service.schemas import LEGACY_AMP_ENV
+from service.settings import Settings
+from tests.conftest import Api, Team
+
+EXAMPLES = 40
+STREAM_TIMEOUT = 10.0
+
+# Every operation in the schema; test_every_operation_is_fuzzed keeps this list complete.
+OPERATIONS = [
+    "POST /v1/jobs",
+    "GET /v1/jobs",
+    "GET /v1/jobs/{job_id}",
+    "PATCH /v1/jobs/{job_id}",
+    "POST /v1/jobs/{job_id}/cancel",
+    "GET /v1/jobs/{job_id}/history",
+    "GET /v1/jobs/{job_id}/loss-scale/events",
+    "GET /v1/jobs/{job_id}/history.csv",
+    "GET /v1/jobs/{job_id}/events",
+    "GET /v1/history",
+    "GET /v1/policies",
+    "GET /healthz",
+    "GET /v1/jobs/{job_id}/artifacts",
+    "GET /v1/jobs/{job_id}/artifacts/{name}",
+    "GET /v1/jobs/{job_id}/logs",
+    "GET /v1/datasets",
+    "POST /v1/datasets",
+    "POST /v1/sweeps",
+    "GET /v1/sweeps/{sweep_id}",
+]
+
+# Schema-valid input that a rule spanning several fields still refuses, rightly, with a 422:
+# a loss scale outside [min_scale, max_scale], a model that does not fit its data, momentum on
+# adam, a sweep without variants, to_step below from_step, bytes that are not an .npz.
+# JSON Schema cannot say these, so "valid data is accepted" is not checked here; the 422 must
+# still name the field (checked for every operation).
+CROSS_FIELD = {
+    "POST /v1/jobs",
+    "POST /v1/sweeps",
+    "POST /v1/datasets",
+    "GET /v1/history",
+    "GET /v1/jobs/{job_id}/history",
+}
+STREAMING = "GET /v1/jobs/{job_id}/events"
+SPECS = {"POST /v1/jobs", "POST /v1/sweeps"}
+
+CONFIG = SchemathesisConfig.from_dict(
+    {
+        "generation": {
+            # Every request carries alice's valid token; the auth matrix (tests/test_team.py)
+            # covers missing and bad tokens on every endpoint.
+            "with-security-parameters": False,
+            # Like most HTTP APIs (and FastAPI's default), Halfway ignores query parameters it
+            # does not know; only bodies refuse unknown fields.
+            "allow-extra-parameters": False,
+        }
+    }
+)
+
+SETTINGS = hypothesis.settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=False,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.data_too_large,
+    ],
+)
+
+
+@dataclass
+class Seeded:
+    schema: Any
+    openapi: dict[str, Any]
+    finished_job: int
+    job_ids: list[int]
+    sweep_id: int
+
+
+@pytest.fixture
+def seeded(
+    client: TestClient,
+    team: Team,
+    db: Database,
+    settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Seeded:
+    """Something for every path to find: alice's finished job with history, scale events, a
+    model and a log; her queued job; bob's queued job; a sweep."""
+    monkeypatch.setattr(history_routes, "SSE_POLL_SECONDS", 0.01)
+    alice, bob = Api(client, team.alice), Api(client, team.bob)
+    finished = alice.post("/v1/jobs", json={"name": "done"}).json()["id"]
+    waiting = alice.post("/v1/jobs", json={"name": "waiting"}).json()["id"]
+    bobs = bob.post("/v1/jobs", json={"name": "bobs"}).json()["id"]
+    r = alice.post("/v1/sweeps", json={"policies": ["float32", "mixed_float16"]})
+    assert r.status_code == 201, r.text
+    sweep = r.json()
+    # Overflows at steps 7 and 8 (the scale halves after each), a NaN loss at 7.
+    records = [
+        StepRecord(
+            s,
+            s // 10,
+            math.nan if s == 7 else 2.0 / (s + 1),
+            1024.0 if s <= 7 else 512.0 if s == 8 else 256.0,
+            s not in (7, 8),
+        )
+        for s in range(30)
+    ]
+    with db.write() as s:
+        job = s.get(Job, finished)
+        assert job is not None
+        history.write_steps(s, job, records, now=utcnow())
+        job.status, job.started_at, job.finished_at = "succeeded", utcnow(), utcnow()
+    folder = settings.resolved_artifact_dir() / str(finished)
+    folder.mkdir(parents=True)
+    (folder / "model.keras").write_bytes(b"PK\x03\x04 model")
+    (folder / "train.log").write_text("epoch 1\nepoch 2\n")
+    openapi: dict[str, Any] = client.app.openapi()  # type: ignore[attr-defined]
+    schema = schemathesis.openapi.from_dict(openapi, config=CONFIG)
+    schema.app = client.app
+    return Seeded(
+        schema=schema,
+        openapi=openapi,
+        finished_job=finished,
+        job_ids=[finished, waiting, bobs, *(v["job_id"] for v in sweep["variants"])],
+        sweep_id=sweep["id"],
+    )
+
+
+def test_every_operation_is_fuzzed(seeded: Seeded) -> None:
+    labels = [op.ok().label for op in seeded.schema.get_all_operations()]
+    assert sorted(labels) == sorted(OPERATIONS)
+
+
+def _names(openapi: dict[str, Any], path: str, method: str) -> set[str]:
+    """What a 422 may name: the body, its top-level properties, and the parameters (bare, as
+    Halfway's own checks name them, or prefixed with their location, as FastAPI's do)."""
+    operation = openapi["paths"][path][method.lower()]
+    names = {"body", LEGACY_AMP_ENV}
+    for param in operation.get("parameters", []):
+        names |= {param["name"], f"{param['in']}.{param['name']}"}
+    for media in operation.get("requestBody", {}).get("content", {}).values():
+        ref = media["schema"]["$ref"].rsplit("/", 1)[-1]
+        names |= set(openapi["components"]["schemas"][ref]["properties"])
+    return names
+
+
+def _check_error_body(label: str, case: Any, response: Any, names: set[str]) -> None:
+    """A refusal says which field broke which rule; the field is one the operation has (or an
+    unknown one the client sent, which is what extra_forbidden reports)."""
+    body = response.json()
+    assert set(body) == {"error", "message", "fields"}, body
+    status = response.status_code
+    if status == 422:
+        assert body["error"] == "validation_error"
+    elif label not in SPECS or status == 401:
+        return
+    assert body["fields"], body
+    known = {n.lower() for n in names}
+    if isinstance(case.body, dict):
+        known |= {str(k).lower() for k in case.body}
+    for field in body["fields"]:
+        assert field["field"] and field["rule"] and field["message"], field
+        parts = field["field"].lower().split(".")
+        assert {parts[0], ".".join(parts[:2])} & known, f"{field} names nothing in {known}"
+
+
+def _strategies(seeded: Seeded, label: str) -> list[Any]:
+    """Schema-valid requests (anywhere, and aimed at the seeded jobs and sweep, since random
+    ids mostly miss), then schema-breaking ones where the operation has any input."""
+    method, path = label.split(" ", 1)
+    operation = seeded.schema[path][method]
+    positive, negative = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
+    if label == STREAMING:
+        # The stream ends with its job: aim valid requests at the finished one.
+        fixed = {"job_id": seeded.finished_job}
+        return [
+            operation.as_strategy(positive, path_parameters=fixed),
+            operation.as_strategy(negative),
+        ]
+    out = [operation.as_strategy(positive)]
+    for name, ids in (("job_id", seeded.job_ids), ("sweep_id", [seeded.sweep_id])):
+        if "{" + name + "}" in path:
+            out.append(
+                st.sampled_from(ids).flatmap(
+                    lambda i, name=name: operation.as_strategy(  # type: ignore[misc]
+                        positive, path_parameters={name: i}
+                    )
+                )
+            )
+    if any(
+        list(getattr(operation, location))
+        for location in ("path_parameters", "query", "headers", "body")
+    ):
+        out.append(operation.as_strategy(negative))
+    return out
+
+
+def _fuzz(seeded: Seeded, label: str, token: str) -> None:
+    method, path = label.split(" ", 1)
+    names = _names(seeded.openapi, path, method)
+    excluded: list[Callable[..., Any]] = []
+    if label in CROSS_FIELD:
+        excluded.append(schemathesis.checks.positive_data_acceptance)
+    for strategy in _strategies(seeded, label):
+
+        @given(case=strategy)
+        @SETTINGS
+        def run(case: Any) -> None:
+            response = case.call(headers=Team.header(token), timeout=STREAM_TIMEOUT)
+            case.validate_response(response, excluded_checks=excluded)
+            if response.status_code >= 400:
+                _check_error_body(label, case, response, names)
+
+        run()
+
+
+@pytest.mark.parametrize("label", OPERATIONS)
+def test_fuzzed_requests_get_documented_answers_never_a_5xx(
+    seeded: Seeded, team: Team, label: str
+) -> None:
+    _fuzz(seeded, label, team.alice)
