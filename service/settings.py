@@ -56,6 +56,12 @@ class Settings(BaseSettings):
         default=2 * 1024**3, gt=0, description="Largest dataset upload (POST /v1/datasets)."
     )
     max_running_per_user: int = Field(default=0, ge=0, description="0 means no limit.")
+    gpu_free_mib: int = Field(
+        default=512,
+        ge=0,
+        description="A slot's GPUs must use at most this much memory before its next job.",
+    )
+    gpu_free_timeout_seconds: float = Field(default=120.0, ge=0)
 
     def resolved_database_url(self) -> str:
         if self.database_url:

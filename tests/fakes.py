@@ -19,7 +19,9 @@ def _records(
     return [(s, 0, 1.0 / (s + 1), scale, True) for s in range(start, start + count)]
 
 
-def _started(conn: Connection, total: int, start: int = 0) -> None:
+def _started(
+    conn: Connection, total: int, start: int = 0, device: dict[str, Any] | None = None
+) -> None:
     conn.send(
         {
             "type": "started",
@@ -28,7 +30,7 @@ def _started(conn: Connection, total: int, start: int = 0) -> None:
             "start_step": start,
             "steps_per_execution": 1,
             "precision_report": [],
-            "device": {},
+            "device": device or {},
         }
     )
 
@@ -41,7 +43,11 @@ def trainer(payload: dict[str, Any], conn: Connection) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if mode == "ignore_sigterm":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _started(conn, steps)
+    _started(
+        conn,
+        steps,
+        device={"warnings": fake.get("device_warnings", []), "gpu_ids": payload["gpu_ids"]},
+    )
     if mode == "hang":
         time.sleep(3600)
     if mode == "exit_silently":

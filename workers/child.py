@@ -30,9 +30,7 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the server's terminal is its own
     gpu_ids = payload.get("gpu_ids") or []
-    # Must be set before TensorFlow initialises CUDA.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids) if gpu_ids else "-1"
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    os.environ.update(device_env(gpu_ids))
     print(f"halfway: job {payload['job_id']} attempt {payload.get('attempt')} starting", flush=True)
     try:
         from workers.training import RunContext, train
@@ -62,6 +60,17 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
     finally:
         conn.close()
     print("halfway: child exiting", flush=True)
+
+
+def device_env(gpu_ids: list[int]) -> dict[str, str]:
+    """The environment a child needs before TensorFlow initialises CUDA: only its slot's GPUs
+    visible (none for a CPU job, so it cannot grab a GPU by accident), and memory taken as
+    needed rather than all at once."""
+    return {
+        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpu_ids) if gpu_ids else "-1",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+        "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1"),
+    }
 
 
 def _die_with_parent() -> None:

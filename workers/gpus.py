@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
+from collections.abc import Callable
 
 
 def detect_gpus() -> list[int]:
@@ -63,3 +65,58 @@ def slots(gpu_ids: list[int], per_slot: int) -> list[list[int]]:
     if len(gpu_ids) % per_slot:
         raise ValueError(f"{len(gpu_ids)} GPUs do not split into slots of {per_slot}")
     return [gpu_ids[i : i + per_slot] for i in range(0, len(gpu_ids), per_slot)]
+
+
+MemoryProbe = Callable[[list[int]], dict[int, int] | None]
+
+
+def used_memory_mib(gpu_ids: list[int]) -> dict[int, int] | None:
+    """MiB in use on each GPU, via nvidia-smi; None when it cannot tell (no tool, no driver)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None or not gpu_ids:
+        return None
+    try:
+        out = subprocess.run(
+            [
+                smi,
+                "--query-gpu=index,memory.used",
+                "--format=csv,noheader,nounits",
+                "-i",
+                ",".join(str(g) for g in gpu_ids),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (subprocess.SubprocessError, OSError):
+        return None
+    used = {}
+    for line in out.strip().splitlines():
+        index, _, mib = line.partition(",")
+        if index.strip().isdigit() and mib.strip().isdigit():
+            used[int(index)] = int(mib)
+    return used
+
+
+def wait_until_free(
+    gpu_ids: list[int],
+    *,
+    threshold_mib: int,
+    timeout: float,
+    probe: MemoryProbe = used_memory_mib,
+    sleep: Callable[[float], None] = time.sleep,
+) -> bool:
+    """Wait until every GPU of the slot uses at most ``threshold_mib`` (the driver frees a dead
+    process's memory asynchronously). True when free or when nothing can be measured."""
+    if not gpu_ids:
+        return True
+    waited = 0.0
+    while True:
+        used = probe(gpu_ids)
+        if used is None or all(used.get(g, 0) <= threshold_mib for g in gpu_ids):
+            return True
+        if waited >= timeout:
+            return False
+        sleep(0.5)
+        waited += 0.5

@@ -33,7 +33,7 @@ from service.history import StepRecord
 from service.metrics import HISTORY_WRITE_LATENCY
 from service.models import utcnow
 from service.settings import Settings
-from workers import child
+from workers import child, gpus
 from workers.protocol import Done, Message
 
 log = logging.getLogger("halfway.worker")
@@ -66,6 +66,7 @@ class _Run:
     pending: list[StepRecord] = field(default_factory=list)
     updates: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] | None = None
+    new_warnings: list[str] = field(default_factory=list)
     truncate_at: int | None = None
     steps_per_second: float | None = None
     done: Done | None = None
@@ -92,6 +93,7 @@ class Supervisor:
         worker_id: str | None = None,
         gpu_ids: list[int] | None = None,
         clock: Clock = utcnow,
+        memory_probe: gpus.MemoryProbe = gpus.used_memory_mib,
     ) -> None:
         self.db = db
         self.settings = settings
@@ -99,6 +101,7 @@ class Supervisor:
         self.worker_id = worker_id or new_worker_id()
         self.gpu_ids = list(gpu_ids or [])
         self.clock = clock
+        self.memory_probe = memory_probe
         self.stop_event = threading.Event()
         self.current_job: int | None = None
 
@@ -120,8 +123,24 @@ class Supervisor:
     def stop(self) -> None:
         self.stop_event.set()
 
+    def gpus_free(self) -> bool:
+        """Whether this slot's GPUs are free of the previous job's memory: a cancelled or
+        killed child's memory is released by the driver, and the next job must not start
+        into a half-full device."""
+        return gpus.wait_until_free(
+            self.gpu_ids,
+            threshold_mib=self.settings.gpu_free_mib,
+            timeout=self.settings.gpu_free_timeout_seconds,
+            probe=self.memory_probe,
+        )
+
     def run_once(self) -> bool:
         """Claim one job and run it to its end. False when the queue had nothing for us."""
+        if not self.gpus_free():
+            log.warning(
+                "GPUs %s still hold memory after the last job; not claiming yet", self.gpu_ids
+            )
+            return False
         now = self.clock()
         with self.db.write() as session:
             jobs.expire_abandoned(session, now)
@@ -226,6 +245,7 @@ class Supervisor:
             run.started = True
             run.truncate_at = msg["start_step"]
             run.pending = [r for r in run.pending if r.step >= msg["start_step"]]
+            run.new_warnings += list(msg["device"].get("warnings", []))
             run.updates.update(
                 total_steps=msg["total_steps"],
                 steps_per_epoch=msg["steps_per_epoch"],
@@ -299,6 +319,11 @@ class Supervisor:
                     setattr(job, key, value)
                 if run.metrics is not None:
                     job.metrics = {**job.metrics, **run.metrics}
+                if run.new_warnings:
+                    job.warnings = [
+                        *job.warnings,
+                        *(w for w in run.new_warnings if w not in job.warnings),
+                    ]
                 history.write_steps(
                     session, job, pending, now=now, steps_per_second=run.steps_per_second
                 )
@@ -322,6 +347,7 @@ class Supervisor:
         run.pending = run.pending[len(pending) :]
         run.updates = {}
         run.metrics = None
+        run.new_warnings = []
         run.truncate_at = None
         run.last_sync = time.monotonic()
         return True
