@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.db import Database
@@ -237,6 +238,9 @@ def create_app(
     app.include_router(sweeps.router)
     app.include_router(dashboard.router)
     dashboard.mount_static(app)
+    # Bucket pages for long jobs run to hundreds of kilobytes of JSON; they compress ~5x.
+    # (Starlette leaves text/event-stream uncompressed, so the event stream is not delayed.)
+    app.add_middleware(GZipMiddleware, minimum_size=1024)
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,

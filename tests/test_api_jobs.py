@@ -298,3 +298,13 @@ def test_artifacts_are_listed_and_served_by_name_only(api: Api, settings: Any) -
     assert r.status_code == 200 and r.content.startswith(b"PK")
     for name in ("checkpoint.npz", "..%2F..%2Fetc%2Fpasswd", "../1/model.keras"):
         assert api.get(f"/v1/jobs/{job_id}/artifacts/{name}").status_code == 404
+
+
+def test_job_list_has_an_etag_and_large_responses_are_gzipped(api: Api, db: Database) -> None:
+    job_id = _submit(api)["id"]
+    first = api.get("/v1/jobs")
+    assert api.get("/v1/jobs", headers={"If-None-Match": first.headers["etag"]}).status_code == 304
+    _write(db, job_id, [StepRecord(s, 0, 0.5, 1024.0, True) for s in range(3000)])
+    r = api.get(f"/v1/jobs/{job_id}/history?limit=3000", headers={"Accept-Encoding": "gzip"})
+    assert r.headers["content-encoding"] == "gzip"
+    assert len(r.json()["items"]) == 3000  # httpx decodes it

@@ -289,8 +289,13 @@ async def _events(request: Request, db: Database, job_id: int, after: int) -> As
         await asyncio.sleep(SSE_POLL_SECONDS)
 
 
-@router.get("/v1/history", response_model=Comparison, responses=ERRORS)
+@router.get(
+    "/v1/history",
+    response_model=Comparison,
+    responses={304: {"description": "Not modified (If-None-Match)"}, **ERRORS},
+)
 def compare_history(
+    request: Request,
     session: SessionDep,
     _: PrincipalDep,
     job_ids: Annotated[
@@ -303,7 +308,7 @@ def compare_history(
     points: Annotated[int, Query(ge=1, le=MAX_POINTS)] = 500,
     from_step: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
     to_step: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
-) -> Comparison:
+) -> Response:
     """Several jobs on one bucket grid, aligned by step, for overlaying runs."""
     ids = list(dict.fromkeys(int(i) for i in job_ids.split(",")))
     if not all(1 <= i <= MAX_ID for i in ids):
@@ -316,7 +321,7 @@ def compare_history(
     hi = to_step if to_step is not None else max((r[1] for r in ranges), default=lo)
     hi = max(lo, hi)
     grid = history.grid_for(lo, hi, points)
-    return Comparison(
+    comparison = Comparison(
         from_step=lo,
         to_step=hi,
         points=points,
@@ -336,3 +341,4 @@ def compare_history(
             for j in found
         ],
     )
+    return etag_response(request, comparison)

@@ -149,25 +149,31 @@ def _replay(earlier: Job, body_hash: str) -> Response:
     )
 
 
-@router.get("", response_model=JobPage, responses=error_responses(401, 422))
+@router.get(
+    "",
+    response_model=JobPage,
+    responses={304: {"description": "Not modified (If-None-Match)"}, **error_responses(401, 422)},
+)
 def list_jobs(
+    request: Request,
     session: SessionDep,
     _: PrincipalDep,
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"] | None = None,
     owner: Annotated[str | None, Query(max_length=64)] = None,
     cursor: Annotated[str | None, Query(pattern=r"^[0-9]{1,12}$")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
-) -> JobPage:
+) -> Response:
     if owner is not None and "\x00" in owner:
         # No user name holds a NUL, and PostgreSQL refuses one in a query.
-        return JobPage(items=[], next_cursor=None)
+        return etag_response(request, JobPage(items=[], next_cursor=None))
     before_id = int(cursor) if cursor else None
     if before_id is not None and before_id > MAX_ID:
         before_id = None  # every id is below it (ids are 32-bit)
     rows, next_id = jobs.list_jobs(
         session, status=status, owner=owner, before_id=before_id, limit=limit
     )
-    return JobPage(items=[job_out(j) for j in rows], next_cursor=str(next_id) if next_id else None)
+    page = JobPage(items=[job_out(j) for j in rows], next_cursor=str(next_id) if next_id else None)
+    return etag_response(request, page)
 
 
 @router.get(
