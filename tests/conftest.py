@@ -16,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
 
 from service import auth, migrate
 from service.app import create_app
@@ -33,7 +34,8 @@ def pg_database() -> Iterator[str]:
     assert PG_URL, "HALFWAY_TEST_DATABASE_URL is not set"
     admin_url = make_url(normalize_url(PG_URL))
     name = f"halfway_test_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    # No pool: a test restarts the server, and a pooled connection would be dead at teardown.
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = admin_url.set(database=name).render_as_string(hide_password=False)
