@@ -20,6 +20,7 @@ from service.db import Database
 from service.deps import TokenCache
 from service.errors import HalfwayError, SpecError
 from service.metrics import MetricsRegistry, metrics_response, observe_requests
+from service.pollcache import PollCache
 from service.routes import artifacts, dashboard, datasets, history, jobs, meta, sweeps
 from service.schemas import LEGACY_AMP_ENV
 from service.settings import Settings
@@ -181,6 +182,7 @@ def create_app(
     app.state.db = db
     app.state.auth = auth
     app.state.token_cache = TokenCache()
+    app.state.poll_cache = PollCache(settings.poll_cache_seconds)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

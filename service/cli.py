@@ -62,6 +62,9 @@ def serve(
         typer.Option("--no-auth", help="No tokens at all. Only allowed on a loopback address."),
     ] = False,
     json_logs: Annotated[bool, typer.Option("--json-logs", help="Structured JSON logs.")] = False,
+    access_log: Annotated[
+        bool, typer.Option("--access-log", help="Log every request (off: dashboards poll a lot).")
+    ] = False,
 ) -> None:
     """Run the API (and, by default, an embedded worker), applying migrations first."""
     import uvicorn
@@ -131,7 +134,14 @@ def serve(
 
     api = create_app(settings, db, auth=not no_auth, on_startup=start, on_shutdown=stop)
     typer.echo(f"Halfway on {base} (docs: {base}/docs)", err=True)
-    uvicorn.run(api, host=settings.host, port=settings.port, log_level="info", log_config=None)
+    uvicorn.run(
+        api,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        log_config=None,
+        access_log=access_log,
+    )
 
 
 @app.command()

@@ -18,7 +18,6 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.pool import NullPool
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 _BEGIN_OPTION = "halfway_sqlite_begin"
@@ -37,9 +36,11 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
         engine = create_engine(
             url,
             connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
-            # One connection per checkout: SQLite connections are cheap and a pool would keep
-            # WAL readers pinned to old snapshots.
-            poolclass=NullPool,
+            # Pooled: opening a connection (and its PRAGMAs) per request costs more than the
+            # query a polling dashboard makes. Every transaction ends before check-in, so a
+            # pooled connection never pins an old WAL snapshot.
+            pool_size=pool_size,
+            max_overflow=30,
         )
         _configure_sqlite(engine)
         return engine

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from service.auth import LOCAL_PRINCIPAL, Principal, authenticate, hash_token
 from service.db import Database
 from service.errors import Unauthorized
+from service.pollcache import PollCache
 from service.settings import Settings
 
 # Ids are INTEGER columns: 32-bit on PostgreSQL. A larger id in a URL is refused by validation
@@ -93,7 +94,13 @@ class TokenCache:
         self._items[key] = (time.monotonic(), principal)
 
 
+def get_poll_cache(request: Request) -> PollCache:
+    cache: PollCache = request.app.state.poll_cache
+    return cache
+
+
 SessionDep = Annotated[Session, Depends(read_session)]
+PollCacheDep = Annotated[PollCache, Depends(get_poll_cache)]
 WriteSessionDep = Annotated[Session, Depends(write_session)]
 DbDep = Annotated[Database, Depends(get_db)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -14,6 +14,12 @@ def etag_of(body: bytes) -> str:
     return '"' + hashlib.blake2b(body, digest_size=16).hexdigest() + '"'
 
 
+def serialize(model: BaseModel) -> bytes:
+    return json.dumps(
+        model.model_dump(mode="json"), separators=(",", ":"), allow_nan=False
+    ).encode()
+
+
 def _matches(header: str | None, etag: str) -> bool:
     if not header:
         return False
@@ -23,14 +29,17 @@ def _matches(header: str | None, etag: str) -> bool:
     return etag in candidates
 
 
-def etag_response(
-    request: Request, model: BaseModel, *, media_type: str = "application/json"
+def respond(
+    request: Request, body: bytes, etag: str, *, media_type: str = "application/json"
 ) -> Response:
-    body = json.dumps(
-        model.model_dump(mode="json"), separators=(",", ":"), allow_nan=False
-    ).encode()
-    etag = etag_of(body)
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
     if _matches(request.headers.get("if-none-match"), etag):
         return Response(status_code=304, headers=headers)
     return Response(content=body, media_type=media_type, headers=headers)
+
+
+def etag_response(
+    request: Request, model: BaseModel, *, media_type: str = "application/json"
+) -> Response:
+    body = serialize(model)
+    return respond(request, body, etag_of(body), media_type=media_type)

@@ -56,6 +56,12 @@ class Settings(BaseSettings):
         default=2 * 1024**3, gt=0, description="Largest dataset upload (POST /v1/datasets)."
     )
     max_running_per_user: int = Field(default=0, ge=0, description="0 means no limit.")
+    poll_cache_seconds: float = Field(
+        default=0.5,
+        ge=0,
+        le=60,
+        description="Reuse a job's summary this long for polls (0: always read the database).",
+    )
     gpu_free_mib: int = Field(
         default=512,
         ge=0,

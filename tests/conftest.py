@@ -99,6 +99,8 @@ def settings(tmp_path: Path, db_url: str) -> Settings:
         poll_seconds=0.05,
         history_flush_seconds=0.1,
         cancel_grace_seconds=5,
+        # Tests write history and read it back at once; the poll cache has its own test.
+        poll_cache_seconds=0,
     )
     s.ensure_dirs()
     return s

@@ -308,3 +308,39 @@ def test_job_list_has_an_etag_and_large_responses_are_gzipped(api: Api, db: Data
     r = api.get(f"/v1/jobs/{job_id}/history?limit=3000", headers={"Accept-Encoding": "gzip"})
     assert r.headers["content-encoding"] == "gzip"
     assert len(r.json()["items"]) == 3000  # httpx decodes it
+
+
+def test_poll_cache_answers_repeated_polls_without_the_database(
+    settings: Any, db: Database, team: Team
+) -> None:
+    from fastapi.testclient import TestClient
+    from sqlalchemy import event
+
+    from service.app import create_app
+
+    settings.poll_cache_seconds = 60  # long enough that this test never sees it expire
+    with TestClient(create_app(settings, db, auth=True)) as client:
+        api = Api(client, team.alice)
+        job_id = _submit(api)["id"]
+        _write(db, job_id, [StepRecord(s, 0, 0.5, 1024.0, True) for s in range(10)])
+        first = api.get(f"/v1/jobs/{job_id}")
+        assert first.json()["summary"]["last_step"] == 9
+        queries: list[str] = []
+
+        def count(*args: Any) -> None:
+            queries.append(str(args[2]))
+
+        event.listen(db.engine, "before_cursor_execute", count)
+        try:
+            for _ in range(5):
+                assert api.get(f"/v1/jobs/{job_id}").headers["etag"] == first.headers["etag"]
+                page = api.get(f"/v1/jobs/{job_id}/history?after_step=9").json()
+                assert page["items"] == [] and page["next_after_step"] == 9
+        finally:
+            event.remove(db.engine, "before_cursor_execute", count)
+        assert [q for q in queries if "FROM job" in q or "FROM step" in q] == []
+        # A poller behind the snapshot still reads its rows.
+        assert len(api.get(f"/v1/jobs/{job_id}/history?after_step=4").json()["items"]) == 5
+        # A change made through the API is visible at once.
+        api.post(f"/v1/jobs/{job_id}/cancel")
+        assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"

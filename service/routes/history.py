@@ -18,7 +18,7 @@ from sqlalchemy import select
 
 from service import history, jobs
 from service.db import Database
-from service.deps import MAX_ID, DbDep, JobId, PrincipalDep, SessionDep
+from service.deps import MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
 from service.errors import SpecError
 from service.etag import etag_response
 from service.models import FINISHED_STATUSES, ScaleEvent, Step
@@ -98,6 +98,7 @@ def get_history(
     job_id: JobId,
     request: Request,
     session: SessionDep,
+    cache: PollCacheDep,
     _: PrincipalDep,
     after_step: Annotated[
         int, Query(ge=-1, le=MAX_STEP, description="Raw rows: only steps > after_step.")
@@ -110,7 +111,26 @@ def get_history(
     from_step: Annotated[int | None, Query(ge=0, le=MAX_STEP, description="Buckets: zoom.")] = None,
     to_step: Annotated[int | None, Query(ge=0, le=MAX_STEP, description="Buckets: zoom.")] = None,
 ) -> Response:
+    snap = cache.fresh(job_id)
+    if (
+        points is None
+        and snap is not None
+        and (snap.last_step is None or after_step >= snap.last_step)
+    ):
+        # A poller that has everything (as of the snapshot): answer without a query.
+        return etag_response(
+            request,
+            HistoryPage(
+                job_id=job_id,
+                status=snap.status,
+                items=[],
+                next_after_step=after_step,
+                has_more=False,
+            ),
+        )
     job = jobs.get_job(session, job_id)
+    if cache.ttl > 0:
+        cache.store(job_id, job_out(job))
     if points is None:
         rows, has_more = history.read_steps(session, job_id, after_step=after_step, limit=limit)
         page = HistoryPage(

@@ -12,9 +12,17 @@ from sqlalchemy.exc import IntegrityError
 
 from service import jobs, specs
 from service.auth import require_owner_or_admin
-from service.deps import MAX_ID, JobId, PrincipalDep, SessionDep, SettingsDep, WriteSessionDep
+from service.deps import (
+    MAX_ID,
+    JobId,
+    PollCacheDep,
+    PrincipalDep,
+    SessionDep,
+    SettingsDep,
+    WriteSessionDep,
+)
 from service.errors import Conflict
-from service.etag import etag_response
+from service.etag import etag_response, respond
 from service.models import Job, utcnow
 from service.schemas import (
     JobOut,
@@ -188,9 +196,11 @@ def get_job(
     job_id: JobId,
     request: Request,
     session: SessionDep,
+    cache: PollCacheDep,
     _: PrincipalDep,
 ) -> Response:
-    return etag_response(request, job_out(jobs.get_job(session, job_id)))
+    snap = cache.fresh(job_id) or cache.store(job_id, job_out(jobs.get_job(session, job_id)))
+    return respond(request, snap.body, snap.etag)
 
 
 @router.post(
@@ -199,11 +209,14 @@ def get_job(
     response_model=JobOut,
     responses=error_responses(401, 403, 404, 409, 422),
 )
-def cancel_job(job_id: JobId, session: WriteSessionDep, principal: PrincipalDep) -> JobOut:
+def cancel_job(
+    job_id: JobId, session: WriteSessionDep, cache: PollCacheDep, principal: PrincipalDep
+) -> JobOut:
     job = jobs.get_job(session, job_id)
     require_owner_or_admin(principal, job.owner, "cancel")
     job = jobs.request_cancel(session, job_id, utcnow())
     session.commit()
+    cache.forget(job_id)
     return job_out(job)
 
 
@@ -218,10 +231,15 @@ class JobPatch(BaseModel):
     responses=error_responses(401, 403, 404, 409, 413, 422),
 )
 def patch_job(
-    job_id: JobId, patch: JobPatch, session: WriteSessionDep, principal: PrincipalDep
+    job_id: JobId,
+    patch: JobPatch,
+    session: WriteSessionDep,
+    cache: PollCacheDep,
+    principal: PrincipalDep,
 ) -> JobOut:
     job = jobs.get_job(session, job_id)
     require_owner_or_admin(principal, job.owner, "change the priority of")
     job = jobs.set_priority(session, job_id, patch.priority, utcnow())
     session.commit()
+    cache.forget(job_id)
     return job_out(job)
