@@ -11,6 +11,7 @@ Commands (each also takes ``--url`` and ``--token``)::
     halfway cancel ID
     halfway logs ID [--follow]
     halfway tensorboard ID [--artifact-dir DIR]
+    halfway sweep SPEC [--policies float32,mixed_float16,mixed_bfloat16] [--target-loss L]
 
 Server and token, first found wins, each looked up on its own:
 
@@ -294,6 +295,14 @@ class HalfwayClient:
                 "the server sent no X-Log-Offset with the log", ExitCode.SERVER_ERROR
             ) from None
         return response.content, after
+
+    def create_sweep(self, sweep: dict[str, Any]) -> dict[str, Any]:
+        created: dict[str, Any] = _json(self.request("POST", "/v1/sweeps", body=sweep))
+        return created
+
+    def sweep(self, sweep_id: int) -> dict[str, Any]:
+        table: dict[str, Any] = _json(self.request("GET", f"/v1/sweeps/{sweep_id}"))
+        return table
 
     def artifacts(self, job_id: int) -> list[dict[str, Any]]:
         listed: list[dict[str, Any]] = _json(self.request("GET", f"/v1/jobs/{job_id}/artifacts"))
@@ -1242,6 +1251,105 @@ def tensorboard(
     print_tensorboard(Ui.create(), job, artifacts, directory, client.target.url)
 
 
+def sweep_table(sweep: Mapping[str, Any]) -> Table:
+    """The side-by-side comparison: speed, convergence and loss-scale behaviour per variant."""
+    table = Table(title=f"sweep {sweep['id']}: {escape(sweep['name'])}", header_style="bold")
+    for column in (
+        "variant",
+        "status",
+        "examples/s",
+        "step ms",
+        "vs float32",
+        "to target",
+        "final loss",
+        "val",
+        "overflows",
+        "skipped",
+        "scale (final/min)",
+        "peak mem",
+    ):
+        table.add_column(
+            column, justify="left" if column in ("variant", "status", "val") else "right"
+        )
+    for v in sweep["variants"]:
+        metrics = v["final_metrics"]
+        val = ", ".join(
+            f"{k} {fmt_number(x, 4)}" for k, x in metrics.items() if k.startswith("val_")
+        )
+        target = (
+            f"{v['time_to_target_seconds']:.1f} s (step {v['step_to_target']})"
+            if v["time_to_target_seconds"] is not None
+            else "-"
+        )
+        step_ms = v["median_step_seconds"]
+        scale = (
+            f"{fmt_number(v['final_loss_scale'])} / {fmt_number(v['min_loss_scale'])}"
+            if v["final_loss_scale"] is not None
+            else "-"
+        )
+        memory = v["peak_memory_bytes"]
+        table.add_row(
+            escape(v["name"]),
+            styled_status(v["status"]),
+            fmt_number(v["examples_per_second"], 6),
+            f"{step_ms * 1000:.2f}" if step_ms is not None else "-",
+            f"{v['speedup_vs_float32']:.2f}x" if v["speedup_vs_float32"] is not None else "-",
+            target,
+            fmt_number(v["final_loss"]),
+            escape(val) or "-",
+            str(v["overflow_count"]),
+            str(v["skipped_steps"]),
+            scale,
+            f"{memory / 2**20:.0f} MiB" if memory is not None else "-",
+        )
+    return table
+
+
+@handles_errors
+def sweep(
+    spec_file: Annotated[
+        str,
+        typer.Argument(
+            metavar="SPEC.yaml|SPEC.json",
+            help="A job spec (the base), or a sweep spec with 'base' and 'variants'.",
+            show_default=False,
+        ),
+    ],
+    policies: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated policies, one variant each.", show_default=False),
+    ] = None,
+    target_loss: Annotated[
+        float | None,
+        typer.Option(help="Measure each variant's time to this loss.", show_default=False),
+    ] = None,
+    wait: Annotated[
+        bool, typer.Option("--wait/--no-wait", help="Wait for every variant and print the table.")
+    ] = True,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Run one job per precision variant of a spec and compare them side by side."""
+    spec = load_spec(spec_file)
+    body: dict[str, Any] = dict(spec) if "base" in spec or "variants" in spec else {"base": spec}
+    if policies:
+        body["policies"] = [p.strip() for p in policies.split(",") if p.strip()]
+    if target_loss is not None:
+        body["target_loss"] = target_loss
+    ui = Ui.create()
+    with connect(url, token) as client:
+        created = client.create_sweep(body)
+        ids = ", ".join(str(v["job_id"]) for v in created["variants"])
+        ui.out.print(f"sweep {created['id']}: {len(created['variants'])} jobs ({ids})")
+        table = created
+        while wait and not table["done"]:
+            time.sleep(2.0)
+            table = client.sweep(created["id"])
+    ui.out.print(sweep_table(table))
+    if wait and any(v["status"] != "succeeded" for v in table["variants"]):
+        raise typer.Exit(ExitCode.JOB_FAILED)
+
+
 COMMANDS: tuple[tuple[str, Callable[..., None]], ...] = (
     ("submit", submit),
     ("jobs", jobs),
@@ -1250,6 +1358,7 @@ COMMANDS: tuple[tuple[str, Callable[..., None]], ...] = (
     ("cancel", cancel),
     ("logs", logs),
     ("tensorboard", tensorboard),
+    ("sweep", sweep),
 )
 
 

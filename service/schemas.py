@@ -8,6 +8,7 @@ is reported back in the response's ``notes``.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -26,6 +27,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from service.modelconfig import check_model_config
 from service.policies import POLICIES, PolicyName, UnexpressiblePolicy, policy_for_pair
 
 LEGACY_AMP_ENV = "TF_ENABLE_AUTO_MIXED_PRECISION"
@@ -210,6 +212,96 @@ class MLPModel(StrictModel):
         return sum((a + 1) * b for a, b in itertools.pairwise(sizes))
 
 
+class CNNModel(StrictModel):
+    """A small convolutional classifier for images: per block a 'same' convolution and a
+    2x2 max-pool, then a dense layer and the classifier."""
+
+    kind: Literal["cnn"]
+    input_shape: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
+        default_factory=lambda: [28, 28, 1],
+        min_length=3,
+        max_length=3,
+        description="Height, width, channels of one sample.",
+    )
+    filters: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
+        default_factory=lambda: [32, 64], min_length=1, max_length=8
+    )
+    kernel_size: int = Field(default=3, ge=1, le=11)
+    dense: int = Field(default=128, ge=1, le=65_536)
+    activation: Activation = "relu"
+    num_classes: int = Field(default=10, ge=2, le=100_000)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+
+    def parameter_count(self) -> int:
+        height, width, channels = self.input_shape
+        total = 0
+        for f in self.filters:
+            total += (self.kernel_size * self.kernel_size * channels + 1) * f
+            channels = f
+            height, width = max(1, height // 2), max(1, width // 2)
+        flat = height * width * channels
+        return total + (flat + 1) * self.dense + (self.dense + 1) * self.num_classes
+
+
+class TransformerModel(StrictModel):
+    """A small Transformer encoder classifier for sequences of feature vectors: a projection
+    to ``embed_dim``, learned positions, ``num_layers`` encoder blocks (multi-head attention and
+    a feed-forward layer, each with a residual and layer normalization), average pooling and
+    the classifier."""
+
+    kind: Literal["transformer"]
+    sequence_length: int = Field(default=32, ge=1, le=4096)
+    features: int = Field(default=8, ge=1, le=4096, description="Features per position.")
+    embed_dim: int = Field(default=64, ge=4, le=2048)
+    num_heads: int = Field(default=4, ge=1, le=64)
+    ff_dim: int = Field(default=128, ge=1, le=16_384)
+    num_layers: int = Field(default=2, ge=1, le=24)
+    num_classes: int = Field(default=2, ge=2, le=100_000)
+    dropout: float = Field(default=0.1, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TransformerModel:
+        if self.embed_dim % self.num_heads:
+            raise PydanticCustomError(
+                "heads", "embed_dim must be a multiple of num_heads (each head gets a slice)"
+            )
+        return self
+
+    def parameter_count(self) -> int:
+        d = self.embed_dim
+        per_layer = 4 * (d * d + d) + 2 * 2 * d + (d + 1) * self.ff_dim + (self.ff_dim + 1) * d
+        return (
+            (self.features + 1) * d
+            + self.sequence_length * d
+            + self.num_layers * per_layer
+            + (d + 1) * self.num_classes
+        )
+
+
+class KerasModel(StrictModel):
+    """Your own architecture: what ``model.to_json()`` produces (Sequential or Functional),
+    as a JSON object or as that JSON text. Built in the training child with Keras' safe mode:
+    no Lambda layers, no custom objects; only the layer classes listed in the README."""
+
+    kind: Literal["keras"]
+    config: dict[str, Any] | str = Field(description="model.to_json(), parsed or as text.")
+
+    @field_validator("config")
+    @classmethod
+    def _parse(cls, value: dict[str, Any] | str) -> dict[str, Any]:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise PydanticCustomError(
+                    "json", "is not valid JSON: {error}", {"error": str(exc)}
+                ) from None
+            if not isinstance(value, dict):
+                raise PydanticCustomError("json", "must be a JSON object (model.to_json())")
+        check_model_config(value)
+        return value
+
+
 def _kind_of(default: str, *kinds: str) -> Any:
     """Discriminate on ``kind``, which may be left out for the default kind."""
 
@@ -225,7 +317,13 @@ def _kind_of(default: str, *kinds: str) -> Any:
     )
 
 
-ModelSpec = Annotated[Annotated[MLPModel, Tag("mlp")], _kind_of("mlp", "mlp")]
+ModelSpec = Annotated[
+    Annotated[MLPModel, Tag("mlp")]
+    | Annotated[CNNModel, Tag("cnn")]
+    | Annotated[TransformerModel, Tag("transformer")]
+    | Annotated[KerasModel, Tag("keras")],
+    _kind_of("mlp", "mlp", "cnn", "transformer", "keras"),
+]
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,12 +12,15 @@ from service.errors import SpecError
 from service.policies import POLICIES
 from service.schemas import (
     KERAS_DATASET_SHAPES,
+    CNNModel,
     JobSpec,
     KerasData,
+    KerasModel,
     MLPModel,
     NpzData,
     SubmitResult,
     SyntheticData,
+    TransformerModel,
 )
 from service.settings import Settings
 
@@ -133,29 +136,51 @@ def _check_model_and_data(spec: JobSpec, settings: Settings, notes: list[str]) -
         _check_data_path(data, settings)
         features = classes = -1  # known only when the child opens the file
 
+    if isinstance(model, KerasModel):
+        return  # its shapes and size are known once Keras builds it, in the child
+    needed, field = _model_input(model)
+    if features >= 0 and needed != features:
+        raise SpecError(
+            f"model.{field}",
+            "shape_mismatch",
+            f"the model takes {needed} values per sample but the data has {features}",
+        )
+    if classes >= 0 and model.num_classes != classes:
+        raise SpecError(
+            "model.num_classes",
+            "shape_mismatch",
+            f"{model.num_classes} does not match the data's {classes} classes",
+        )
+    params = model.parameter_count()
+    if params > settings.max_parameters:
+        raise SpecError(
+            "model",
+            "limit",
+            f"the model has {params} parameters; the server's limit is "
+            f"{settings.max_parameters} (HALFWAY_MAX_PARAMETERS)",
+        )
+    if isinstance(data, KerasData) and isinstance(model, MLPModel):
+        notes.append(f"{data.name} images are flattened to {features} features for mlp.")
+    if isinstance(data, SyntheticData) and not isinstance(model, MLPModel):
+        notes.append(
+            f"synthetic samples ({features} features) are reshaped to the model's input "
+            f"{_shape_text(model)}."
+        )
+
+
+def _model_input(model: MLPModel | CNNModel | TransformerModel) -> tuple[int, str]:
+    """Values per sample the model takes, and the field that sets it."""
     if isinstance(model, MLPModel):
-        if features >= 0 and model.input_size != features:
-            raise SpecError(
-                "model.input_size",
-                "shape_mismatch",
-                f"{model.input_size} does not match the data's {features} features per sample",
-            )
-        if classes >= 0 and model.num_classes != classes:
-            raise SpecError(
-                "model.num_classes",
-                "shape_mismatch",
-                f"{model.num_classes} does not match the data's {classes} classes",
-            )
-        params = model.parameter_count()
-        if params > settings.max_parameters:
-            raise SpecError(
-                "model",
-                "limit",
-                f"the model has {params} parameters; the server's limit is "
-                f"{settings.max_parameters} (HALFWAY_MAX_PARAMETERS)",
-            )
-        if isinstance(data, KerasData):
-            notes.append(f"{data.name} images are flattened to {features} features for mlp.")
+        return model.input_size, "input_size"
+    if isinstance(model, CNNModel):
+        return math.prod(model.input_shape), "input_shape"
+    return model.sequence_length * model.features, "sequence_length"
+
+
+def _shape_text(model: CNNModel | TransformerModel) -> str:
+    if isinstance(model, CNNModel):
+        return "x".join(str(d) for d in model.input_shape)
+    return f"{model.sequence_length}x{model.features}"
 
 
 def _check_data_path(data: NpzData, settings: Settings) -> None:
