@@ -97,9 +97,13 @@ def configure_graph_rewrite(enabled: bool) -> str | None:
 
 
 class Checkpointer:
-    """Weights, optimizer state (the loss scaler's included) and the global step, in one .npz
-    written atomically. The data position follows from the step, since every epoch has the
-    same number of steps and its batch order is a function of (seed, epoch)."""
+    """The model's variables, optimizer state (the loss scaler's included) and the global
+    step, in one .npz written atomically. The data position follows from the step, since every
+    epoch has the same number of steps and its batch order is a function of (seed, epoch).
+
+    The model's ``variables``, not just its ``weights``: they include the dropout layers'
+    seed-generator states, without which a resumed job would replay the masks of step 0
+    instead of continuing as the uninterrupted run does."""
 
     def __init__(self, directory: Path) -> None:
         self.path = directory / "checkpoint.npz"
@@ -107,7 +111,7 @@ class Checkpointer:
 
     def save(self, trainer: HalfwayTrainer, step: int) -> None:
         arrays: dict[str, np.ndarray] = {}
-        for i, w in enumerate(trainer.inner.weights):
+        for i, w in enumerate(trainer.inner.variables):
             arrays[f"w{i}"] = np.asarray(w.numpy())
         for i, v in enumerate(trainer.optimizer.variables):
             arrays[f"o{i}"] = np.asarray(v.numpy())
@@ -128,12 +132,12 @@ class Checkpointer:
 
     def restore(self, trainer: HalfwayTrainer) -> None:
         with np.load(self.path, allow_pickle=False) as f:
-            weights, opt_vars = trainer.inner.weights, trainer.optimizer.variables
-            if sum(k.startswith("w") for k in f.files) != len(weights) or sum(
+            model_vars, opt_vars = trainer.inner.variables, trainer.optimizer.variables
+            if sum(k.startswith("w") for k in f.files) != len(model_vars) or sum(
                 k.startswith("o") for k in f.files
             ) != len(opt_vars):
                 raise JobError("the checkpoint does not match this job's model and optimizer")
-            for i, w in enumerate(weights):
+            for i, w in enumerate(model_vars):
                 w.assign(f[f"w{i}"])
             for i, v in enumerate(opt_vars):
                 v.assign(f[f"o{i}"])
@@ -144,7 +148,10 @@ class Guards:
 
     def __init__(self, guards: dict[str, Any], min_scale: float | None) -> None:
         self.cfg = guards
-        self.min_scale = min_scale
+        # The recorded scale is the float32 the scaler clamps to, so compare with that: a
+        # floor such as 0.3 is 0.30000001 in float32, and a float64 comparison would never
+        # see the scale reach it.
+        self.min_scale = None if min_scale is None else float(np.float32(min_scale))
         self.nonfinite_run = 0
         self.min_scale_run = 0
         self.window: deque[bool] = deque(maxlen=guards["overflow_window"])
@@ -152,6 +159,26 @@ class Guards:
 
     def check(self, first: int, d: Drained) -> str | None:
         """A reason to fail the job, or None."""
+        if self._all_clear(d):
+            # The usual drain, in bulk: every run is broken and nothing can trip.
+            self.nonfinite_run = self.min_scale_run = 0
+            self.window.extend([False] * len(d))
+        else:
+            reason = self._check_each(first, d)
+            if reason is not None:
+                return reason
+        self._update_warning()
+        return None
+
+    def _all_clear(self, d: Drained) -> bool:
+        return (
+            len(d) > 0
+            and bool(d.finite.all())
+            and bool(np.isfinite(d.loss).all())
+            and (self.min_scale is None or bool((d.scale > self.min_scale).all()))
+        )
+
+    def _check_each(self, first: int, d: Drained) -> str | None:
         cfg = self.cfg
         for i in range(len(d)):
             step, finite = first + i, bool(d.finite[i])
@@ -183,16 +210,21 @@ class Guards:
                     )
             else:
                 self.min_scale_run = 0
-        if len(self.window) >= min(self.window.maxlen or 1, 10):
+        return None
+
+    def _update_warning(self) -> None:
+        threshold = self.cfg.get("overflow_warn_rate")
+        if threshold is None:
+            self.warning = None
+        elif len(self.window) >= min(self.window.maxlen or 1, 10):
             rate = sum(self.window) / len(self.window)
-            if rate > cfg["overflow_warn_rate"]:
+            if rate > threshold:
                 self.warning = (
                     f"overflow rate {rate:.1%} over the last {len(self.window)} steps "
-                    f"(warn above {cfg['overflow_warn_rate']:.1%})"
+                    f"(warn above {threshold:.1%})"
                 )
             else:
                 self.warning = None
-        return None
 
 
 class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
@@ -266,10 +298,19 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
 
     def collect(self) -> Drained:
         d = self.recorder.drain()
-        for i in range(len(d)):
-            self.pending.append(
-                (d.first + i, self.epoch, float(d.loss[i]), float(d.scale[i]), bool(d.finite[i]))
+        n = len(d)
+        # tolist() converts a whole column in C: this runs once per execution on the
+        # training thread, so per-element float() calls would be paid by every step.
+        self.pending.extend(
+            zip(
+                range(d.first, d.first + n),
+                [self.epoch] * n,
+                d.loss.tolist(),
+                d.scale.tolist(),
+                d.finite.tolist(),
+                strict=True,
             )
+        )
         return d
 
     def _faults(self, d: Drained) -> None:
@@ -327,6 +368,53 @@ def _is_number(v: Any) -> bool:
         return False
 
 
+@dataclass
+class Built:
+    """A job's Keras objects, as ``train`` wires them: ``model`` is the user's model (what
+    gets saved), ``optimizer`` the inner optimizer, ``trainer`` the model that fits."""
+
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer
+    scaler: HalfwayLossScaleOptimizer | None
+    recorder: StepRecorder
+    trainer: HalfwayTrainer
+
+
+def build_trainer(
+    spec: dict[str, Any],
+    sample_shape: tuple[int, ...],
+    num_classes: int,
+    steps_per_execution: int,
+    *,
+    graph_rewrite: bool = False,
+) -> Built:
+    """The model, optimizer, scaler and recorder of a (normalized) spec, compiled and built."""
+    keras.config.set_dtype_policy(spec["precision"]["policy"])
+    try:
+        model = build_model(spec, sample_shape, num_classes)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    optimizer: keras.optimizers.Optimizer = build_optimizer(spec["optimizer"])
+    scaler = make_scaler(optimizer, spec["loss_scale"])
+    recorder = StepRecorder(capacity=steps_per_execution)
+    trainer = HalfwayTrainer(model, recorder, fault_steps=spec["faults"]["nonfinite_at_steps"])
+    jit: bool | str = spec["training"].get("jit_compile", "auto")
+    if graph_rewrite:
+        jit = False  # XLA clusters bypass grappler, so the rewrite would not apply
+    trainer.compile(
+        optimizer=scaler or optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(),
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+        steps_per_execution=steps_per_execution,
+        jit_compile=jit,
+        auto_scale_loss=False,
+    )
+    # Build the optimizer (and the scaler's variables) now, not lazily inside the first
+    # traced step: the train step reads the scale, and a checkpoint restores into them.
+    trainer.optimizer.build(trainer.trainable_variables)
+    return Built(model, optimizer, scaler, recorder, trainer)
+
+
 def train(ctx: RunContext) -> str:
     """Run the job to completion. Returns 'succeeded' or 'cancelled'; raises JobError (or any
     exception) on failure."""
@@ -347,30 +435,10 @@ def train(ctx: RunContext) -> str:
     total = per_epoch * epochs
     spe = training.get("steps_per_execution") or min(DEFAULT_STEPS_PER_EXECUTION, per_epoch)
 
-    keras.config.set_dtype_policy(spec["precision"]["policy"])
-    try:
-        model = build_model(spec, arrays.sample_shape, arrays.num_classes)
-    finally:
-        keras.config.set_dtype_policy("float32")
-    optimizer: keras.optimizers.Optimizer = build_optimizer(spec["optimizer"])
-    scaler = make_scaler(optimizer, spec["loss_scale"])
-    recorder = StepRecorder(capacity=spe)
-    trainer = HalfwayTrainer(model, recorder, fault_steps=spec["faults"]["nonfinite_at_steps"])
-    jit: bool | str = training.get("jit_compile", "auto")
-    if rewrite:
-        jit = False  # XLA clusters bypass grappler, so the rewrite would not apply
-    trainer.compile(
-        optimizer=scaler or optimizer,
-        loss=keras.losses.SparseCategoricalCrossentropy(),
-        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-        steps_per_execution=spe,
-        jit_compile=jit,
-        auto_scale_loss=False,
+    built = build_trainer(
+        spec, arrays.sample_shape, arrays.num_classes, spe, graph_rewrite=rewrite is not None
     )
-
-    # Build the optimizer (and the scaler's variables) now, not lazily inside the first
-    # traced step: the train step reads the scale, and a checkpoint restores into them.
-    trainer.optimizer.build(trainer.trainable_variables)
+    model, trainer, recorder = built.model, built.trainer, built.recorder
 
     checkpointer = Checkpointer(ctx.job_dir)
     start = checkpointer.load_step() or 0
@@ -403,7 +471,7 @@ def train(ctx: RunContext) -> str:
     for epoch in range(start // per_epoch, epochs):
         skip = start % per_epoch if epoch == start // per_epoch else 0
         order = data_mod.epoch_indices(n_train, batch, fixed_steps, training["seed"], epoch)
-        dataset = _epoch_dataset(x_all, y_all, order, batch, skip)
+        dataset = epoch_dataset(x_all, y_all, order, batch, skip)
         trainer.fit(
             dataset,
             epochs=epoch + 1,
@@ -422,23 +490,31 @@ def train(ctx: RunContext) -> str:
     if stream.failure is not None:
         raise JobError(stream.failure)
     if stream.stopped_by_signal:
-        stream.checkpoint()
+        # The periodic checkpoint may already have saved this very step.
+        if recorder.drained_to != stream.last_checkpoint:
+            stream.checkpoint()
         return "cancelled"
     timing = stream.timing()
     timing.update(_peak_memory())
     # Updates the inner optimizer applied: the steps that were not skipped.
-    timing["updates_applied"] = float(int(optimizer.iterations.numpy()))
+    timing["updates_applied"] = float(int(built.optimizer.iterations.numpy()))
     ctx.emit({"type": "metrics", "epoch": -1, "metrics": timing})
     if spec["outputs"]["save_model"]:
         model.save(ctx.job_dir / "model.keras")
     return "succeeded"
 
 
-def _epoch_dataset(x: Any, y: Any, order: np.ndarray, batch: int, skip: int) -> Any:
+def epoch_dataset(x: Any, y: Any, order: np.ndarray, batch: int, skip: int) -> Any:
     """Batches of indices gathered from the in-memory arrays (as Keras' own array adapter
     does), skipping the batches a resumed job already trained on."""
     indices = tf.data.Dataset.from_tensor_slices(order).batch(batch).skip(skip)
     arrays = tf.data.Dataset.from_tensors((x, y)).repeat()
+    # tf.data's default static optimizations rerun each time an iterator is opened, and
+    # Keras opens two per fit(), i.e. per epoch here: ~10 ms each, about a tenth of a
+    # 128-step epoch of the example model on a CPU. This pipeline is already parallel and
+    # prefetched, and iterates no slower without them (benchmarks/recording_overhead.py).
+    options = tf.data.Options()
+    options.experimental_optimization.apply_default_optimizations = False
     return (
         tf.data.Dataset.zip((indices, arrays))
         .map(
@@ -446,6 +522,7 @@ def _epoch_dataset(x: Any, y: Any, order: np.ndarray, batch: int, skip: int) -> 
             num_parallel_calls=tf.data.AUTOTUNE,
         )
         .prefetch(tf.data.AUTOTUNE)
+        .with_options(options)
     )
 
 
