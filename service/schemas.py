@@ -480,7 +480,9 @@ class GuardsSpec(StrictModel):
         le=10**9,
         description="Fail when the scale has sat at min_scale this many steps in a row.",
     )
-    overflow_warn_rate: float = Field(default=0.05, gt=0, le=1)
+    overflow_warn_rate: float | None = Field(
+        default=0.05, gt=0, le=1, description="Warn above this overflow rate; null: never."
+    )
     overflow_window: int = Field(default=1000, ge=10, le=10**7)
 
 

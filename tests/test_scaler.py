@@ -355,7 +355,7 @@ def test_checkpoint_restores_scale_good_steps_and_hysteresis_into_a_fresh_twin(
     keras.utils.set_random_seed(2)  # different initial weights, so the restore must do it all
     twin = build_trainer(spec, (8,), 3, steps_per_execution=3)
     assert scaler_state(twin.trainer.optimizer) != state
-    Checkpointer(tmp_path).restore(twin.trainer)
+    Checkpointer(tmp_path).restore(twin.trainer, 10)
     twin.recorder.set_start(10)
     assert scaler_state(twin.trainer.optimizer) == state
     for pair in zip(state_of(original), state_of(twin), strict=True):
@@ -404,7 +404,8 @@ def test_resumed_job_continues_the_uninterrupted_sequence_without_gap_or_duplica
     assert 27 < checkpoint < total
     assert first.steps == list(range(checkpoint))  # every step that ran, and only those
 
-    second = run_job(spec, tmp_path / "resumed")
+    # The supervisor passes the acknowledged checkpoint; here, the last one the run sent.
+    second = run_job(spec, tmp_path / "resumed", resume_step=checkpoint)
     assert second.status == "succeeded", second.error
     assert second.started["start_step"] == checkpoint
     assert second.steps[0] == checkpoint

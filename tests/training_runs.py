@@ -67,6 +67,7 @@ def run_job(
     job_dir: Path,
     *,
     stop_after_step: int | None = None,
+    resume_step: int | None = None,
 ) -> Run:
     """Train in this process. ``stop_after_step`` sets the stop event (what SIGTERM does in
     the child) once the records sent so far reach that step; the run then stops at the end
@@ -93,6 +94,7 @@ def run_job(
         # Every execution's records are sent at once, so a test sees them in step order
         # and the stop above lands on a known execution.
         flush_seconds=0.0,
+        resume_step=resume_step,
     )
     try:
         run.status = train(ctx)

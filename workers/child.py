@@ -45,6 +45,7 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
                 stop=stop,
                 flush_seconds=payload.get("flush_seconds", 0.5),
                 gpu_ids=gpu_ids,
+                resume_step=payload.get("resume_step"),
             )
         )
         conn.send({"type": "done", "status": status, "error": None, "retryable": False})

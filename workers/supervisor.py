@@ -33,7 +33,7 @@ from service.history import StepRecord
 from service.metrics import HISTORY_WRITE_LATENCY
 from service.models import utcnow
 from service.settings import Settings
-from workers import child, gpus
+from workers import checkpoints, child, gpus
 from workers.protocol import Done, Message
 
 log = logging.getLogger("halfway.worker")
@@ -180,6 +180,7 @@ class Supervisor:
             "data_dir": str(self.settings.resolved_data_dir()),
             "gpu_ids": gpu_ids,
             "flush_seconds": self.settings.history_flush_seconds,
+            "resume_step": claim.checkpoint_step,
         }
 
     def job_dir(self, job_id: int) -> Path:
@@ -340,6 +341,9 @@ class Supervisor:
             run.db_backoff = min(run.db_backoff * 2, DB_RETRY_MAX_SECONDS)
             return False
         HISTORY_WRITE_LATENCY.observe(time.perf_counter() - started)
+        acknowledged = run.updates.get("checkpoint_step")
+        if acknowledged is not None:
+            checkpoints.prune(self.job_dir(run.job_id), acknowledged)
         if run.db_down_since is not None:
             log.info("job %s: database back, wrote %d pending rows", run.job_id, len(pending))
         run.db_down_since = None
@@ -433,4 +437,5 @@ class Supervisor:
             )
             if not ok:
                 return Outcome("lost", "the job was no longer ours when it ended")
+        checkpoints.remove_all(self.job_dir(run.job_id))
         return outcome

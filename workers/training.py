@@ -3,7 +3,6 @@ TensorFlow (through ``workers.recording``, ``workers.scaler``, ``workers.builder
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -21,6 +20,7 @@ import tensorflow as tf
 
 from workers import data as data_mod
 from workers.builders import build_model, build_optimizer, precision_report
+from workers.checkpoints import checkpoint_path
 from workers.protocol import JobError, Message
 from workers.recording import Drained, HalfwayTrainer, StepRecorder
 from workers.scaler import HalfwayLossScaleOptimizer, make_scaler
@@ -41,6 +41,7 @@ class RunContext:
     stop: threading.Event
     flush_seconds: float = 0.5
     gpu_ids: list[int] = field(default_factory=list)
+    resume_step: int | None = None  # the checkpoint the supervisor acknowledged
 
 
 def configure_devices(ctx: RunContext) -> dict[str, Any]:
@@ -97,17 +98,25 @@ def configure_graph_rewrite(enabled: bool) -> str | None:
 
 
 class Checkpointer:
-    """The model's variables, optimizer state (the loss scaler's included) and the global
-    step, in one .npz written atomically. The data position follows from the step, since every
-    epoch has the same number of steps and its batch order is a function of (seed, epoch).
+    """The model's variables, optimizer state (the loss scaler's included) at a global step,
+    one .npz per step (``checkpoint-<step>.npz``), each written atomically. The data position
+    follows from the step, since every epoch has the same number of steps and its batch order
+    is a function of (seed, epoch).
 
     The model's ``variables``, not just its ``weights``: they include the dropout layers'
     seed-generator states, without which a resumed job would replay the masks of step 0
-    instead of continuing as the uninterrupted run does."""
+    instead of continuing as the uninterrupted run does.
+
+    One file per step because the child may checkpoint ahead of the history the supervisor
+    has committed; a job resumes from the checkpoint the supervisor acknowledged (it commits
+    that step together with the history before it), never from a newer one whose rows may
+    have died with a killed supervisor. The supervisor deletes superseded files."""
 
     def __init__(self, directory: Path) -> None:
-        self.path = directory / "checkpoint.npz"
-        self.meta_path = directory / "checkpoint.json"
+        self.directory = directory
+
+    def path(self, step: int) -> Path:
+        return checkpoint_path(self.directory, step)
 
     def save(self, trainer: HalfwayTrainer, step: int) -> None:
         arrays: dict[str, np.ndarray] = {}
@@ -115,23 +124,16 @@ class Checkpointer:
             arrays[f"w{i}"] = np.asarray(w.numpy())
         for i, v in enumerate(trainer.optimizer.variables):
             arrays[f"o{i}"] = np.asarray(v.numpy())
-        tmp = self.path.with_suffix(".tmp.npz")
+        target = self.path(step)
+        tmp = target.with_name(target.name + ".part")
         with open(tmp, "wb") as f:
             np.savez(f, **arrays)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        meta_tmp = self.meta_path.with_suffix(".tmp")
-        meta_tmp.write_text(json.dumps({"step": step}))
-        os.replace(meta_tmp, self.meta_path)
+        os.replace(tmp, target)
 
-    def load_step(self) -> int | None:
-        if not (self.path.is_file() and self.meta_path.is_file()):
-            return None
-        return int(json.loads(self.meta_path.read_text())["step"])
-
-    def restore(self, trainer: HalfwayTrainer) -> None:
-        with np.load(self.path, allow_pickle=False) as f:
+    def restore(self, trainer: HalfwayTrainer, step: int) -> None:
+        with np.load(self.path(step), allow_pickle=False) as f:
             model_vars, opt_vars = trainer.inner.variables, trainer.optimizer.variables
             if sum(k.startswith("w") for k in f.files) != len(model_vars) or sum(
                 k.startswith("o") for k in f.files
@@ -441,9 +443,12 @@ def train(ctx: RunContext) -> str:
     model, trainer, recorder = built.model, built.trainer, built.recorder
 
     checkpointer = Checkpointer(ctx.job_dir)
-    start = checkpointer.load_step() or 0
+    start = ctx.resume_step or 0
+    if start and not checkpointer.path(start).is_file():
+        print(f"halfway: checkpoint for step {start} is missing; starting over", flush=True)
+        start = 0
     if start:
-        checkpointer.restore(trainer)
+        checkpointer.restore(trainer, start)
     recorder.set_start(start)
     ls = spec["loss_scale"]
     guards = Guards(spec["guards"], ls["min_scale"] if ls["mode"] == "dynamic" else None)
