@@ -493,6 +493,14 @@ class ResourcesSpec(StrictModel):
         "0: CPU only.",
     )
 
+    cpu_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=8,
+        description="On a CPU worker, split the CPU into this many logical devices and train "
+        "under MirroredStrategy: rehearse a multi-GPU job's data-parallel path without GPUs.",
+    )
+
     @field_validator("gpus")
     @classmethod
     def _gpu_range(cls, value: int | str) -> int | str:

@@ -40,29 +40,37 @@ class Drained:
 
 
 class StepRecorder:
-    """The in-graph ring buffer. ``count`` is the global step (skipped steps included); it is
-    part of checkpoints so a resumed job numbers its steps where it left off."""
+    """The in-graph ring buffer. ``count`` is the global step (skipped steps included); the
+    checkpoint's step restores it, so a resumed job numbers its steps where it left off.
+
+    Plain variables, created outside any distribution strategy: under MirroredStrategy every
+    replica holds the same (all-reduced) record, and the first replica alone writes it."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.capacity = capacity
-        # ONLY_FIRST_REPLICA: under a distribution strategy every replica computes the same
-        # (all-reduced) record, and one write is enough.
-        agg = tf.VariableAggregation.ONLY_FIRST_REPLICA
-        self.count = tf.Variable(
-            tf.constant(0, tf.int64), trainable=False, name="halfway_step", aggregation=agg
-        )
+        self.count = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="halfway_step")
         self.buffer = tf.Variable(
-            tf.zeros((capacity, 3), tf.float32),
-            trainable=False,
-            name="halfway_step_records",
-            aggregation=agg,
+            tf.zeros((capacity, 3), tf.float32), trainable=False, name="halfway_step_records"
         )
         self.drained_to = 0  # host side: the first global step not yet drained
 
     def record(self, loss: Any, scale: Any, finite: Any) -> None:
-        """Called inside the train step (graph)."""
+        """Called inside the train step (graph), in every replica."""
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            self._write(loss, scale, finite)
+            return
+        # MirroredStrategy traces the step once per replica, each with its id as a constant,
+        # so the choice is made while tracing: only the first replica's graph writes.
+        replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+        if replica is None:
+            raise RuntimeError("recording needs a strategy whose replica ids are static")
+        if int(replica) == 0:
+            self._write(loss, scale, finite)
+
+    def _write(self, loss: Any, scale: Any, finite: Any) -> None:
         slot = tf.math.floormod(self.count, self.capacity)
         row = tf.stack(
             [tf.cast(loss, tf.float32), tf.cast(scale, tf.float32), tf.cast(finite, tf.float32)]
@@ -135,8 +143,8 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         if scaler is not None:
             finite = scaler.apply_and_check(grads, weights)
         else:
-            finite = tf.reduce_all(
-                [tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
+            finite = self._all_replicas(
+                tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
             )
             optimizer.apply(grads, weights)
         self.recorder.record(self._global_loss(loss), scale, finite)
@@ -148,6 +156,14 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         hit = tf.reduce_any(tf.equal(self._fault_steps, self.recorder.count))
         factor = tf.where(hit, tf.constant(np.inf, tf.float32), tf.constant(1.0, tf.float32))
         return [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]
+
+    def _all_replicas(self, finite: Any) -> Any:
+        """Finite everywhere: each replica checked only its own (not yet reduced) gradients."""
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return finite
+        bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(finite, tf.float32))
+        return bad < 0.5
 
     def _global_loss(self, loss: Any) -> Any:
         """Under a distribution strategy each replica holds its share of the batch's loss;

@@ -3,6 +3,7 @@ TensorFlow (through ``workers.recording``, ``workers.scaler``, ``workers.builder
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -57,7 +58,27 @@ def configure_devices(ctx: RunContext) -> dict[str, Any]:
         info.setdefault("device_names", []).append(details.get("device_name"))
     policy = ctx.spec["precision"]["policy"]
     info["warnings"] = hardware_warnings(policy, info.get("compute_capability", []))
+    replicas = int(ctx.spec.get("resources", {}).get("cpu_replicas", 1))
+    if not gpus and replicas > 1:
+        # Rehearse multi-device training on a CPU: split it into logical devices. This must
+        # happen before TensorFlow creates its runtime, i.e. first thing in the child.
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(replicas)]
+        )
     return info
+
+
+def make_strategy() -> tf.distribute.Strategy | None:
+    """MirroredStrategy over the visible GPUs when there are several (the slot's GPUs), or
+    over logical CPU devices when the job rehearses that; None for one device."""
+    gpus = tf.config.list_logical_devices("GPU")
+    if len(gpus) > 1:
+        return tf.distribute.MirroredStrategy([g.name for g in gpus])
+    cpus = tf.config.list_logical_devices("CPU")
+    if not gpus and len(cpus) > 1:
+        return tf.distribute.MirroredStrategy([c.name for c in cpus])
+    return None
 
 
 def hardware_warnings(policy: str, capabilities: list[tuple[int, int] | None]) -> list[str]:
@@ -389,31 +410,35 @@ def build_trainer(
     steps_per_execution: int,
     *,
     graph_rewrite: bool = False,
+    strategy: tf.distribute.Strategy | None = None,
 ) -> Built:
-    """The model, optimizer, scaler and recorder of a (normalized) spec, compiled and built."""
-    keras.config.set_dtype_policy(spec["precision"]["policy"])
-    try:
-        model = build_model(spec, sample_shape, num_classes)
-    finally:
-        keras.config.set_dtype_policy("float32")
-    optimizer: keras.optimizers.Optimizer = build_optimizer(spec["optimizer"])
-    scaler = make_scaler(optimizer, spec["loss_scale"])
+    """The model, optimizer, scaler and recorder of a (normalized) spec, compiled and built
+    (under ``strategy`` when given; the recorder stays outside it, see StepRecorder)."""
     recorder = StepRecorder(capacity=steps_per_execution)
-    trainer = HalfwayTrainer(model, recorder, fault_steps=spec["faults"]["nonfinite_at_steps"])
-    jit: bool | str = spec["training"].get("jit_compile", "auto")
-    if graph_rewrite:
-        jit = False  # XLA clusters bypass grappler, so the rewrite would not apply
-    trainer.compile(
-        optimizer=scaler or optimizer,
-        loss=keras.losses.SparseCategoricalCrossentropy(),
-        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-        steps_per_execution=steps_per_execution,
-        jit_compile=jit,
-        auto_scale_loss=False,
-    )
-    # Build the optimizer (and the scaler's variables) now, not lazily inside the first
-    # traced step: the train step reads the scale, and a checkpoint restores into them.
-    trainer.optimizer.build(trainer.trainable_variables)
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with scope:
+        keras.config.set_dtype_policy(spec["precision"]["policy"])
+        try:
+            model = build_model(spec, sample_shape, num_classes)
+        finally:
+            keras.config.set_dtype_policy("float32")
+        optimizer: keras.optimizers.Optimizer = build_optimizer(spec["optimizer"])
+        scaler = make_scaler(optimizer, spec["loss_scale"])
+        trainer = HalfwayTrainer(model, recorder, fault_steps=spec["faults"]["nonfinite_at_steps"])
+        jit: bool | str = spec["training"].get("jit_compile", "auto")
+        if graph_rewrite:
+            jit = False  # XLA clusters bypass grappler, so the rewrite would not apply
+        trainer.compile(
+            optimizer=scaler or optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(),
+            metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+            steps_per_execution=steps_per_execution,
+            jit_compile=jit,
+            auto_scale_loss=False,
+        )
+        # Build the optimizer (and the scaler's variables) now, not lazily inside the first
+        # traced step: the train step reads the scale, and a checkpoint restores into them.
+        trainer.optimizer.build(trainer.trainable_variables)
     return Built(model, optimizer, scaler, recorder, trainer)
 
 
@@ -437,8 +462,26 @@ def train(ctx: RunContext) -> str:
     total = per_epoch * epochs
     spe = training.get("steps_per_execution") or min(DEFAULT_STEPS_PER_EXECUTION, per_epoch)
 
+    strategy = make_strategy()
+    if strategy is not None:
+        device["replicas"] = strategy.num_replicas_in_sync
+        if spe > 1:
+            # Keras 3's multi-step loop cannot run a loss-scale optimizer's merge_call under
+            # MirroredStrategy (it fails with an unfed placeholder, stock LossScaleOptimizer
+            # included), so a distributed job runs one step per execution; every step is
+            # still recorded, drained after each one.
+            device["warnings"].append(
+                f"steps_per_execution {spe} -> 1 under MirroredStrategy "
+                f"({strategy.num_replicas_in_sync} replicas)"
+            )
+            spe = 1
     built = build_trainer(
-        spec, arrays.sample_shape, arrays.num_classes, spe, graph_rewrite=rewrite is not None
+        spec,
+        arrays.sample_shape,
+        arrays.num_classes,
+        spe,
+        graph_rewrite=rewrite is not None,
+        strategy=strategy,
     )
     model, trainer, recorder = built.model, built.trainer, built.recorder
 
