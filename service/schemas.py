@@ -447,6 +447,12 @@ class FaultsSpec(StrictModel):
         max_length=10_000,
         description="Global steps at which the child makes the gradients non-finite.",
     )
+    nonfinite_variables: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+        default_factory=list,
+        max_length=100,
+        description="Only the gradients of variables whose path contains one of these (e.g. "
+        "'dense_0/kernel') are made non-finite; empty: all of them.",
+    )
     crash_at_step: int | None = Field(
         default=None, ge=0, le=10**9, description="Raise an exception at this step."
     )
@@ -484,6 +490,16 @@ class GuardsSpec(StrictModel):
         default=0.05, gt=0, le=1, description="Warn above this overflow rate; null: never."
     )
     overflow_window: int = Field(default=1000, ge=10, le=10**7)
+
+
+class ForensicsSpec(StrictModel):
+    captures: int = Field(
+        default=1,
+        ge=0,
+        le=100,
+        description="On the job's first N non-finite steps, record which variables had "
+        "non-finite gradients, with the loss and the scale (0: off).",
+    )
 
 
 class ResourcesSpec(StrictModel):
@@ -528,6 +544,7 @@ class JobSpec(StrictModel):
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     guards: GuardsSpec = Field(default_factory=GuardsSpec)
     faults: FaultsSpec = Field(default_factory=FaultsSpec)
+    forensics: ForensicsSpec = Field(default_factory=ForensicsSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     outputs: OutputsSpec = Field(default_factory=OutputsSpec)
 
@@ -613,6 +630,14 @@ class JobOut(BaseModel):
     progress: Progress
     summary: Summary
     sweep_id: int | None
+    precision_report: list[dict[str, Any]] = Field(
+        description="Per layer: class, policy, variable, compute and output dtype, parameters."
+    )
+    forensics: list[dict[str, Any]] = Field(
+        description="On the first non-finite steps: the step, loss, scale and the variables "
+        "whose gradients were not finite."
+    )
+    device: dict[str, Any] = Field(description="Where it trained: GPUs, replicas, XLA, ...")
     spec: dict[str, Any]
 
 

@@ -46,6 +46,7 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
                 flush_seconds=payload.get("flush_seconds", 0.5),
                 gpu_ids=gpu_ids,
                 resume_step=payload.get("resume_step"),
+                max_parameters=payload.get("max_parameters"),
             )
         )
         conn.send({"type": "done", "status": status, "error": None, "retryable": False})

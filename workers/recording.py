@@ -39,6 +39,19 @@ class Drained:
         return len(self.loss)
 
 
+def writes_here() -> bool:
+    """Whether the step being traced should write Halfway's host-read variables. Every replica
+    holds the same (all-reduced) record; MirroredStrategy traces the step once per replica,
+    each with its id as a constant, so the choice is made while tracing: the first writes."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return True
+    replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+    if replica is None:
+        raise RuntimeError("recording needs a strategy whose replica ids are static")
+    return int(replica) == 0
+
+
 class StepRecorder:
     """The in-graph ring buffer. ``count`` is the global step (skipped steps included); the
     checkpoint's step restores it, so a resumed job numbers its steps where it left off.
@@ -58,16 +71,7 @@ class StepRecorder:
 
     def record(self, loss: Any, scale: Any, finite: Any) -> None:
         """Called inside the train step (graph), in every replica."""
-        ctx = tf.distribute.get_replica_context()
-        if ctx is None or ctx.num_replicas_in_sync == 1:
-            self._write(loss, scale, finite)
-            return
-        # MirroredStrategy traces the step once per replica, each with its id as a constant,
-        # so the choice is made while tracing: only the first replica's graph writes.
-        replica = tf.get_static_value(ctx.replica_id_in_sync_group)
-        if replica is None:
-            raise RuntimeError("recording needs a strategy whose replica ids are static")
-        if int(replica) == 0:
+        if writes_here():
             self._write(loss, scale, finite)
 
     def _write(self, loss: Any, scale: Any, finite: Any) -> None:
@@ -101,6 +105,68 @@ class StepRecorder:
         return Drained(first, rows[:, LOSS], rows[:, SCALE], rows[:, FINITE] > 0.5)
 
 
+class OverflowForensics:
+    """Which variables had non-finite gradients, on a job's first ``captures`` non-finite
+    steps, with the loss and the scale of that step. Captured in the graph (a few small
+    writes, only on such a step), read by the host once per execution."""
+
+    def __init__(self, variables: list[Any], captures: int) -> None:
+        self.names = [str(getattr(v, "path", v.name)) for v in variables]
+        self.captures = captures
+        slots, width = max(captures, 1), max(len(variables), 1)
+        self.count = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="forensics_n")
+        self.steps = tf.Variable(tf.zeros((slots,), tf.int64), trainable=False)
+        self.values = tf.Variable(tf.zeros((slots, 2), tf.float32), trainable=False)
+        self.flags = tf.Variable(tf.zeros((slots, width), tf.float32), trainable=False)
+        self.read = 0
+
+    def capture(
+        self, step: Any, finite: Any, per_variable: list[Any], loss: Any, scale: Any
+    ) -> None:
+        """Graph side, called with the step's (global) finite flag and each variable's."""
+        if self.captures == 0 or not per_variable:
+            return
+        if not writes_here():
+            return
+
+        def write() -> Any:
+            slot = tf.reshape(self.count, (1, 1))
+            self.steps.scatter_nd_update(slot, tf.reshape(step, (1,)))
+            row = tf.stack([tf.cast(loss, tf.float32), tf.cast(scale, tf.float32)])
+            self.values.scatter_nd_update(slot, tf.reshape(row, (1, 2)))
+            bad = 1.0 - tf.cast(tf.stack(per_variable), tf.float32)
+            self.flags.scatter_nd_update(slot, tf.reshape(bad, (1, -1)))
+            self.count.assign_add(1)
+            return tf.constant(True)
+
+        wanted = tf.logical_and(tf.logical_not(finite), self.count < self.captures)
+        tf.cond(wanted, write, lambda: tf.constant(False))
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Host side: the captures made since the last drain."""
+        if self.captures == 0:
+            return []
+        count = int(self.count.numpy())
+        if count <= self.read:
+            return []
+        steps, values, flags = self.steps.numpy(), self.values.numpy(), self.flags.numpy()
+        out = []
+        for i in range(self.read, count):
+            out.append(
+                {
+                    "step": int(steps[i]),
+                    "loss": float(values[i, 0]),
+                    "loss_scale": float(values[i, 1]),
+                    "nonfinite_variables": [
+                        name for name, bad in zip(self.names, flags[i], strict=False) if bad > 0.5
+                    ],
+                    "variables": len(self.names),
+                }
+            )
+        self.read = count
+        return out
+
+
 class HalfwayTrainer(keras.Model):  # type: ignore[misc]
     """Trains ``inner`` with Halfway's step: loss scaling, fault injection, step recording."""
 
@@ -110,12 +176,15 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         recorder: StepRecorder,
         *,
         fault_steps: list[int] | None = None,
+        fault_variables: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.inner = inner
         self.recorder = recorder
+        self.forensics: OverflowForensics | None = None
         self._fault_steps = tf.constant(sorted(fault_steps), tf.int64) if fault_steps else None
+        self._fault_variables = list(fault_variables or [])
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         return self.inner(inputs, training=training)
@@ -140,22 +209,37 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         grads = tape.gradient(scaled_loss, weights)
         if self._fault_steps is not None:
             grads = self._inject_nonfinite(grads)
+        # One check per variable, used three times: the skip decision, the record, and (on a
+        # job's first overflows) the forensics of which variables overflowed.
+        per_variable = [
+            tf.reduce_all(tf.math.is_finite(g)) if g is not None else tf.constant(True)
+            for g in grads
+        ]
+        local = tf.reduce_all(tf.stack(per_variable))
         if scaler is not None:
-            finite = scaler.apply_and_check(grads, weights)
+            finite = scaler.apply_and_check(grads, weights, finite=local)
         else:
-            finite = self._all_replicas(
-                tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
-            )
+            finite = self._all_replicas(local)
             optimizer.apply(grads, weights)
-        self.recorder.record(self._global_loss(loss), scale, finite)
+        step = self.recorder.count.read_value()
+        global_loss = self._global_loss(loss)
+        if self.forensics is not None:
+            self.forensics.capture(step, finite, per_variable, global_loss, scale)
+        self.recorder.record(global_loss, scale, finite)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _inject_nonfinite(self, grads: list[Any]) -> list[Any]:
-        """Rehearsal: at the listed global steps, make every gradient non-finite."""
+        """Rehearsal: at the listed global steps, make the gradients non-finite (all of them,
+        or those of the variables whose path contains one of ``fault_variables``)."""
         assert self._fault_steps is not None
         hit = tf.reduce_any(tf.equal(self._fault_steps, self.recorder.count))
         factor = tf.where(hit, tf.constant(np.inf, tf.float32), tf.constant(1.0, tf.float32))
-        return [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]
+        out = []
+        for g, v in zip(grads, self.trainable_variables, strict=True):
+            path = str(getattr(v, "path", v.name))
+            targeted = not self._fault_variables or any(p in path for p in self._fault_variables)
+            out.append(g * tf.cast(factor, g.dtype) if g is not None and targeted else g)
+        return out
 
     def _all_replicas(self, finite: Any) -> Any:
         """Finite everywhere: each replica checked only its own (not yet reduced) gradients."""

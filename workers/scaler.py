@@ -121,15 +121,20 @@ class HalfwayLossScaleOptimizer(LossScaleOptimizer):  # type: ignore[misc]
 
         ops.cond(ops.less_equal(self.hysteresis_left, 0), back_off, tolerate)
 
-    def apply_and_check(self, grads: list[Any], trainable_variables: list[Any]) -> Any:
+    def apply_and_check(
+        self, grads: list[Any], trainable_variables: list[Any], finite: Any = None
+    ) -> Any:
         """Apply (or skip) the update and return the finite flag it was decided on, so the
-        step recorder reuses it instead of checking every gradient a second time."""
+        step recorder reuses it instead of checking every gradient a second time. A caller
+        that already checked (``finite``) saves the check on one device; across replicas each
+        replica's flag is recomputed inside the cross-replica decision."""
         if not self.built:  # type: ignore[has-type]
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            finite = self.check_finite(grads)
+            if finite is None:
+                finite = self.check_finite(grads)
             ops.cond(
                 finite,
                 lambda: self._stateful_handle_finite_grads(grads, trainable_variables),

@@ -67,6 +67,7 @@ class _Run:
     updates: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] | None = None
     new_warnings: list[str] = field(default_factory=list)
+    new_forensics: list[dict[str, Any]] = field(default_factory=list)
     truncate_at: int | None = None
     steps_per_second: float | None = None
     done: Done | None = None
@@ -181,6 +182,7 @@ class Supervisor:
             "gpu_ids": gpu_ids,
             "flush_seconds": self.settings.history_flush_seconds,
             "resume_step": claim.checkpoint_step,
+            "max_parameters": self.settings.max_parameters,
         }
 
     def job_dir(self, job_id: int) -> Path:
@@ -264,7 +266,7 @@ class Supervisor:
         elif msg["type"] == "warning":
             run.updates["guard_warning"] = msg["message"]
         elif msg["type"] == "forensics":
-            run.updates.setdefault("forensics", []).append(msg["report"])
+            run.new_forensics.append(msg["report"])
         elif msg["type"] == "done":
             run.done = msg
 
@@ -320,6 +322,13 @@ class Supervisor:
                     setattr(job, key, value)
                 if run.metrics is not None:
                     job.metrics = {**job.metrics, **run.metrics}
+                if run.new_forensics:
+                    # A resumed attempt may capture a step again; keep one report per step.
+                    seen = {f["step"] for f in job.forensics}
+                    job.forensics = [
+                        *job.forensics,
+                        *(f for f in run.new_forensics if f["step"] not in seen),
+                    ]
                 if run.new_warnings:
                     job.warnings = [
                         *job.warnings,
@@ -352,6 +361,7 @@ class Supervisor:
         run.updates = {}
         run.metrics = None
         run.new_warnings = []
+        run.new_forensics = []
         run.truncate_at = None
         run.last_sync = time.monotonic()
         return True

@@ -23,12 +23,13 @@ from workers import data as data_mod
 from workers.builders import build_model, build_optimizer, precision_report
 from workers.checkpoints import checkpoint_path
 from workers.protocol import JobError, Message
-from workers.recording import Drained, HalfwayTrainer, StepRecorder
+from workers.recording import Drained, HalfwayTrainer, OverflowForensics, StepRecorder
 from workers.scaler import HalfwayLossScaleOptimizer, make_scaler
 
 Emit = Callable[[Message], None]
 
 DEFAULT_STEPS_PER_EXECUTION = 64
+TARGET_WINDOW = 50
 WARMUP_EXECUTIONS = 2
 
 
@@ -43,6 +44,7 @@ class RunContext:
     flush_seconds: float = 0.5
     gpu_ids: list[int] = field(default_factory=list)
     resume_step: int | None = None  # the checkpoint the supervisor acknowledged
+    max_parameters: int | None = None  # the server's limit, for models sized only here
 
 
 def configure_devices(ctx: RunContext) -> dict[str, Any]:
@@ -284,12 +286,19 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
         faults = ctx.spec["faults"]
         self.crash_at = faults.get("crash_at_step")
         self.hang_at = faults.get("hang_at_step")
+        self.target = ctx.spec["training"].get("target_loss")
+        self.target_window: deque[float] = deque(maxlen=TARGET_WINDOW)
+        self.reached: tuple[int, float] | None = None
+        self.first_started: float | None = None
+        self.tensorboard: Any = None
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self.epoch = epoch
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self.exec_started = time.perf_counter()
+        if self.first_started is None:
+            self.first_started = self.exec_started
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         d = self.collect()
@@ -300,6 +309,11 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
                 self.step_seconds.append(elapsed / len(d))
             self.recent.append((time.monotonic(), d.first + len(d)))
         self._faults(d)
+        self._watch_target(d)
+        forensics = getattr(self.model, "forensics", None)
+        if forensics is not None:
+            for report in forensics.drain():
+                self.ctx.emit({"type": "forensics", "report": report})
         if self.failure is None:
             self.failure = self.guards.check(d.first, d)
         if self.failure is not None or self.ctx.stop.is_set():
@@ -346,6 +360,22 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
             while True:  # a hung job: no progress, deaf to SIGTERM; the supervisor must kill it
                 time.sleep(3600)
 
+    def _watch_target(self, d: Drained) -> None:
+        """The first step where the mean loss of the last TARGET_WINDOW steps reaches the
+        spec's target_loss, and the wall time to it from the first execution's start (so
+        compilation counts: it is part of what a precision costs)."""
+        if self.target is None or self.reached is not None or not len(d):
+            return
+        for i, loss in enumerate(d.loss.tolist()):
+            if not math.isfinite(loss):
+                continue
+            self.target_window.append(loss)
+            full = len(self.target_window) == self.target_window.maxlen
+            if full and sum(self.target_window) / len(self.target_window) <= self.target:
+                assert self.first_started is not None
+                self.reached = (d.first + i, time.perf_counter() - self.first_started)
+                return
+
     def steps_per_second(self) -> float | None:
         if len(self.recent) < 2:
             return None
@@ -356,6 +386,8 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
         if self.guards.warning != self.sent_warning:
             self.sent_warning = self.guards.warning
             self.ctx.emit({"type": "warning", "message": self.guards.warning})
+        if self.pending and self.tensorboard is not None:
+            self._write_tensorboard()
         if self.pending:
             self.ctx.emit(
                 {
@@ -367,6 +399,14 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
             self.pending = []
         self.last_flush = time.monotonic()
 
+    def _write_tensorboard(self) -> None:
+        with self.tensorboard.as_default():
+            for step, _epoch, loss, scale, finite in self.pending:
+                tf.summary.scalar("loss", loss, step=step)
+                tf.summary.scalar("loss_scale", scale, step=step)
+                tf.summary.scalar("finite", 1.0 if finite else 0.0, step=step)
+        self.tensorboard.flush()
+
     def checkpoint(self) -> None:
         step = self.recorder.drained_to
         self.flush()  # the rows a checkpoint covers reach the supervisor first
@@ -375,13 +415,15 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
         self.ctx.emit({"type": "checkpoint", "step": step})
 
     def timing(self) -> dict[str, float]:
-        if not self.step_seconds:
-            return {}
-        median = statistics.median(self.step_seconds)
-        return {
-            "median_step_seconds": median,
-            "examples_per_second": self.batch_size / median if median > 0 else 0.0,
-        }
+        out: dict[str, float] = {}
+        if self.step_seconds:
+            median = statistics.median(self.step_seconds)
+            out["median_step_seconds"] = median
+            out["examples_per_second"] = self.batch_size / median if median > 0 else 0.0
+        if self.reached is not None:
+            out["step_to_target"] = float(self.reached[0])
+            out["time_to_target_seconds"] = self.reached[1]
+        return out
 
 
 def _is_number(v: Any) -> bool:
@@ -411,6 +453,7 @@ def build_trainer(
     *,
     graph_rewrite: bool = False,
     strategy: tf.distribute.Strategy | None = None,
+    max_parameters: int | None = None,
 ) -> Built:
     """The model, optimizer, scaler and recorder of a (normalized) spec, compiled and built
     (under ``strategy`` when given; the recorder stays outside it, see StepRecorder)."""
@@ -419,12 +462,17 @@ def build_trainer(
     with scope:
         keras.config.set_dtype_policy(spec["precision"]["policy"])
         try:
-            model = build_model(spec, sample_shape, num_classes)
+            model = build_model(spec, sample_shape, num_classes, max_parameters)
         finally:
             keras.config.set_dtype_policy("float32")
         optimizer: keras.optimizers.Optimizer = build_optimizer(spec["optimizer"])
         scaler = make_scaler(optimizer, spec["loss_scale"])
-        trainer = HalfwayTrainer(model, recorder, fault_steps=spec["faults"]["nonfinite_at_steps"])
+        trainer = HalfwayTrainer(
+            model,
+            recorder,
+            fault_steps=spec["faults"]["nonfinite_at_steps"],
+            fault_variables=spec["faults"].get("nonfinite_variables"),
+        )
         jit: bool | str = spec["training"].get("jit_compile", "auto")
         if graph_rewrite:
             jit = False  # XLA clusters bypass grappler, so the rewrite would not apply
@@ -439,6 +487,9 @@ def build_trainer(
         # Build the optimizer (and the scaler's variables) now, not lazily inside the first
         # traced step: the train step reads the scale, and a checkpoint restores into them.
         trainer.optimizer.build(trainer.trainable_variables)
+    # Outside the strategy, like the recorder: host-read variables the first replica writes.
+    captures = int(spec.get("forensics", {}).get("captures", 1))
+    trainer.forensics = OverflowForensics(trainer.trainable_variables, captures)
     return Built(model, optimizer, scaler, recorder, trainer)
 
 
@@ -482,6 +533,7 @@ def train(ctx: RunContext) -> str:
         spe,
         graph_rewrite=rewrite is not None,
         strategy=strategy,
+        max_parameters=ctx.max_parameters,
     )
     model, trainer, recorder = built.model, built.trainer, built.recorder
 
@@ -498,6 +550,8 @@ def train(ctx: RunContext) -> str:
     stream = StepStream(
         ctx, recorder, guards, checkpointer, training["checkpoint_every"], training["batch_size"]
     )
+    if spec.get("outputs", {}).get("tensorboard"):
+        stream.tensorboard = tf.summary.create_file_writer(str(ctx.job_dir / "tensorboard"))
 
     device["jit_compile"] = bool(trainer.jit_compile)
     ctx.emit(

@@ -83,6 +83,9 @@ def job_out(job: Job) -> JobOut:
             metrics=job.metrics,
         ),
         sweep_id=job.sweep_id,
+        precision_report=job.precision_report,
+        forensics=job.forensics,
+        device=job.device,
         spec=job.spec,
     )
 
