@@ -23,6 +23,8 @@ from service.app import create_app
 from service.db import Database, normalize_url
 from service.settings import Settings
 
+pytest_plugins = ["tests.live"]
+
 PG_URL = os.environ.get("HALFWAY_TEST_DATABASE_URL")
 BACKENDS = ["sqlite", "postgresql"] if PG_URL else ["sqlite"]
 TABLES = ("step", "step_rollup", "scale_event", "job", "sweep", '"user"')
