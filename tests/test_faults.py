@@ -180,3 +180,49 @@ def test_api_killed_and_restarted_while_clients_submit_keeps_every_acknowledged_
         ).all()
     assert dupes == []
     assert len(ids) == len(acknowledged)
+
+
+@pytest.mark.keras
+def test_a_hung_training_child_is_killed_and_its_job_fails_saying_so(
+    api: Any, db: Database, settings: Settings
+) -> None:
+    settings.hang_timeout_seconds = 3
+    spec = {
+        "data": {"samples": 320, "features": 8, "classes": 2},
+        "model": {"input_size": 8, "hidden": [8], "num_classes": 2},
+        "training": {"epochs": 5, "batch_size": 32, "steps_per_execution": 2},
+        "faults": {"hang_at_step": 6},
+    }
+    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    Supervisor(db, settings).run_once()
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert job["status"] == "failed"
+    assert "no progress from the training process for 3 s (during training)" in job["error"]
+    assert job["summary"]["last_step"] >= 6  # what it did before hanging is kept
+    pid = job["device"]["pid"]
+    assert (
+        not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    )
+
+
+@pytest.mark.keras
+def test_a_full_disk_fails_the_job_clearly_and_the_worker_lives_on(
+    api: Any, db: Database, settings: Settings
+) -> None:
+    spec = {"training": {"epochs": 1, "batch_size": 64}, "data": {"samples": 640}}
+    full = api.post("/v1/jobs", json={**spec, "name": "full"}).json()["id"]
+    fine = api.post("/v1/jobs", json={**spec, "name": "fine"}).json()["id"]
+    folder = settings.resolved_artifact_dir() / str(full)
+    folder.mkdir(parents=True)
+    # A 256 KiB filesystem: room for the log, not for the ~1.2 MB model.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], check=True)
+    try:
+        sup = Supervisor(db, settings)
+        assert sup.run_once() and sup.run_once()
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+    failed = api.get(f"/v1/jobs/{full}").json()
+    assert failed["status"] == "failed" and failed["attempt"] == 1
+    assert "no space left writing to" in failed["error"]
+    assert "No space left on device" in failed["error"]
+    assert api.get(f"/v1/jobs/{fine}").json()["status"] == "succeeded"

@@ -68,6 +68,7 @@ class _Run:
     metrics: dict[str, Any] | None = None
     new_warnings: list[str] = field(default_factory=list)
     new_forensics: list[dict[str, Any]] = field(default_factory=list)
+    pid: int | None = None
     truncate_at: int | None = None
     steps_per_second: float | None = None
     done: Done | None = None
@@ -204,6 +205,7 @@ class Supervisor:
             daemon=True,
         )
         process.start()
+        run.pid = process.pid
         sender.close()  # the child holds the only write end: EOF means it is gone
         pipe_open = True
         try:
@@ -253,7 +255,11 @@ class Supervisor:
                 total_steps=msg["total_steps"],
                 steps_per_epoch=msg["steps_per_epoch"],
                 precision_report=msg["precision_report"],
-                device={**msg["device"], "steps_per_execution": msg["steps_per_execution"]},
+                device={
+                    **msg["device"],
+                    "steps_per_execution": msg["steps_per_execution"],
+                    "pid": run.pid,
+                },
             )
         elif msg["type"] == "metrics":
             run.metrics = run.metrics or {}

@@ -4,13 +4,14 @@ TensorFlow (through ``workers.recording``, ``workers.scaler``, ``workers.builder
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -410,7 +411,8 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
     def checkpoint(self) -> None:
         step = self.recorder.drained_to
         self.flush()  # the rows a checkpoint covers reach the supervisor first
-        self.checkpointer.save(self.model, step)
+        with disk_errors_explained(self.checkpointer.directory):
+            self.checkpointer.save(self.model, step)
         self.last_checkpoint = step
         self.ctx.emit({"type": "checkpoint", "step": step})
 
@@ -602,8 +604,27 @@ def train(ctx: RunContext) -> str:
     timing["updates_applied"] = float(int(built.optimizer.iterations.numpy()))
     ctx.emit({"type": "metrics", "epoch": -1, "metrics": timing})
     if spec["outputs"]["save_model"]:
-        model.save(ctx.job_dir / "model.keras")
+        with disk_errors_explained(ctx.job_dir):
+            # Written beside and renamed into place, so a reader never sees half a model.
+            partial = ctx.job_dir / "model.partial.keras"
+            model.save(partial)
+            os.replace(partial, ctx.job_dir / "model.keras")
     return "succeeded"
+
+
+@contextlib.contextmanager
+def disk_errors_explained(directory: Path) -> Iterator[None]:
+    """A full disk (or quota) is the job's to report, clearly and without a retry that would
+    fail the same way; the worker itself is unaffected."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise JobError(
+                f"no space left writing to {directory} ({os.strerror(exc.errno)}): free space "
+                "on the artifact volume (HALFWAY_ARTIFACT_DIR) and submit again"
+            ) from None
+        raise
 
 
 def epoch_dataset(x: Any, y: Any, order: np.ndarray, batch: int, skip: int) -> Any:
