@@ -9,7 +9,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import ColumnElement, Table, delete, func, or_, select, text
+from sqlalchemy import (
+    ColumnElement,
+    Integer,
+    Table,
+    any_,
+    bindparam,
+    delete,
+    func,
+    or_,
+    select,
+    text,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -449,6 +460,21 @@ _ROLLUP_GROUPS = text(
 )
 
 
+def _one_of(session: Session, column: Any, values: list[int]) -> ColumnElement[bool]:
+    """``column IN values`` (sorted, up to a few thousand), stated so the index range is
+    used: PostgreSQL, given a long list alone, may scan all of the job's rows and filter them
+    (100 ms on a million-step job, for a 1000-bucket zoom that otherwise takes 7 ms), so the
+    list comes with its bounds, and as one array parameter rather than a thousand."""
+    if not values:
+        return column.in_([])  # type: ignore[no-any-return]
+    bounded = column.between(values[0], values[-1])
+    if session.get_bind().dialect.name == "postgresql":
+        member = column == any_(bindparam("values", values, type_=postgresql.ARRAY(Integer)))
+    else:
+        member = column.in_(values)
+    return bounded & member  # type: ignore[no-any-return]
+
+
 def _groups(rows: Sequence[Any]) -> dict[int, Agg]:
     out = {}
     for b, first, last, count, lmin, lmax, smin, smax, overflows, nonfinite in rows:
@@ -485,7 +511,8 @@ def _raw_groups(session: Session, job_id: int, lo: int, hi: int, grid: Grid) -> 
         step: (loss, scale)
         for step, loss, scale in session.execute(
             select(Step.step, Step.loss, Step.loss_scale).where(
-                Step.job_id == job_id, Step.step.in_(sorted(g.last_step for g in groups.values()))
+                Step.job_id == job_id,
+                _one_of(session, Step.step, sorted(g.last_step for g in groups.values())),
             )
         )
     }
@@ -520,7 +547,7 @@ def _rollup_groups(
             select(StepRollup.block, StepRollup.loss_last, StepRollup.scale_last).where(
                 StepRollup.job_id == job_id,
                 StepRollup.level == level,
-                StepRollup.block.in_(blocks),
+                _one_of(session, StepRollup.block, blocks),
             )
         )
     }
