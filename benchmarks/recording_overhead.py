@@ -64,6 +64,7 @@ from workers.recording import StepRecorder
 from workers.training import (
     DEFAULT_STEPS_PER_EXECUTION,
     Checkpointer,
+    EpochFeed,
     Guards,
     RunContext,
     StepStream,
@@ -104,9 +105,13 @@ class Data:
     def steps_per_epoch(self) -> int:
         return data_mod.steps_per_epoch(len(self.x), BATCH, None)
 
+    feed: EpochFeed | None = None
+
     def epoch(self, epoch: int) -> Any:
+        """That epoch's batches from one pipeline built once, as train() feeds them."""
         order = data_mod.epoch_indices(len(self.x), BATCH, None, self.seed, epoch)
-        return epoch_dataset(self.x_all, self.y_all, order, BATCH, 0)
+        self.feed = self.feed or EpochFeed(self.x_all, self.y_all, BATCH, len(order))
+        return self.feed.epoch(order)
 
 
 @dataclass
