@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.db import Database
 from service.deps import TokenCache
 from service.errors import HalfwayError, SpecError
-from service.metrics import MetricsRegistry, metrics_response, observe_requests
+from service.metrics import MetricsRegistry, ObserveRequests, metrics_response
 from service.pollcache import PollCache
 from service.routes import artifacts, dashboard, datasets, history, jobs, meta, sweeps
 from service.schemas import LEGACY_AMP_ENV
@@ -231,7 +231,6 @@ def create_app(
     def metrics() -> Response:
         return metrics_response(registry)
 
-    app.middleware("http")(observe_requests)
     app.include_router(jobs.router)
     app.include_router(history.router)
     app.include_router(meta.router)
@@ -243,6 +242,7 @@ def create_app(
     # Bucket pages for long jobs run to hundreds of kilobytes of JSON; they compress ~5x.
     # (Starlette leaves text/event-stream uncompressed, so the event stream is not delayed.)
     app.add_middleware(GZipMiddleware, minimum_size=1024)
+    app.add_middleware(ObserveRequests)
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,

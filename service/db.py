@@ -30,7 +30,12 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str, *, pool_size: int = 10) -> Engine:
+# As many connections as the API's worker threads (AnyIO's default 40), so a burst of polls
+# never churns through opening and closing overflow connections.
+POOL_SIZE = 40
+
+
+def make_engine(url: str, *, pool_size: int = POOL_SIZE) -> Engine:
     url = normalize_url(url)
     if url.startswith("sqlite"):
         engine = create_engine(
@@ -40,11 +45,12 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
             # query a polling dashboard makes. Every transaction ends before check-in, so a
             # pooled connection never pins an old WAL snapshot.
             pool_size=pool_size,
-            max_overflow=30,
+            max_overflow=10,
         )
         _configure_sqlite(engine)
         return engine
-    return create_engine(url, pool_size=pool_size, max_overflow=20, pool_pre_ping=True)
+    # PostgreSQL's default max_connections is 100: a replica keeps at most 15 open when idle.
+    return create_engine(url, pool_size=15, max_overflow=pool_size - 15, pool_pre_ping=True)
 
 
 def _configure_sqlite(engine: Engine) -> None:

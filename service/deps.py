@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Path, Request, Security
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -51,11 +52,13 @@ def write_session(db: Annotated[Database, Depends(get_db)]) -> Iterator[Session]
         yield session
 
 
-def current_principal(
+async def current_principal(
     request: Request,
     db: Annotated[Database, Depends(get_db)],
     _bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)],
 ) -> Principal:
+    """Async: a token seen in the last half minute is checked on the event loop (a hash and
+    a dictionary lookup); only an unknown one costs a query, in a thread."""
     if not request.app.state.auth:
         return LOCAL_PRINCIPAL
     header = request.headers.get("authorization", "")
@@ -66,12 +69,16 @@ def current_principal(
     key = hash_token(token.strip())
     principal = cache.get(key)
     if principal is None:
-        with db.sessions() as session:
-            principal = authenticate(session, token.strip())
+        principal = await run_in_threadpool(_authenticate, db, token.strip())
         if principal is None:
             raise Unauthorized("invalid token")
         cache.put(key, principal)
     return principal
+
+
+def _authenticate(db: Database, token: str) -> Principal | None:
+    with db.sessions() as session:
+        return authenticate(session, token)
 
 
 class TokenCache:

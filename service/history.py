@@ -190,17 +190,14 @@ def loss_is_nonfinite() -> ColumnElement[bool]:
 
 
 def read_steps(
-    session: Session, job_id: int, *, after_step: int, limit: int
+    session: Session, job_id: int, *, after_step: int, limit: int, up_to: int | None = None
 ) -> tuple[list[Step], bool]:
-    """Rows with step > after_step in step order; the bool says whether more follow."""
-    rows = list(
-        session.scalars(
-            select(Step)
-            .where(Step.job_id == job_id, Step.step > after_step)
-            .order_by(Step.step)
-            .limit(limit + 1)
-        )
-    )
+    """Rows with after_step < step (<= up_to) in step order; the bool says whether more
+    follow."""
+    query = select(Step).where(Step.job_id == job_id, Step.step > after_step)
+    if up_to is not None:
+        query = query.where(Step.step <= up_to)
+    rows = list(session.scalars(query.order_by(Step.step).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
 
 

@@ -10,7 +10,7 @@ its supervisor's history-write latency) lives in that process's registry. A stan
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -28,8 +28,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
-from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.db import Database
 from service.models import FINISHED_STATUSES, JOB_STATUSES, Job
@@ -139,15 +139,31 @@ def metrics_response(registry: MetricsRegistry) -> Response:
     return Response(registry.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-async def observe_requests(
-    request: Request, call_next: Callable[[Request], Awaitable[Response]]
-) -> Response:
-    """Request latency by route template (not raw path, so job ids do not explode labels)."""
-    start = time.perf_counter()
-    response = await call_next(request)
-    route = request.scope.get("route")
-    template = getattr(route, "path", "unmatched")
-    REQUEST_LATENCY.labels(request.method, template, str(response.status_code)).observe(
-        time.perf_counter() - start
-    )
-    return response
+class ObserveRequests:
+    """Request latency by route template (not raw path, so job ids do not explode labels).
+    Plain ASGI rather than BaseHTTPMiddleware: that one re-wraps every request and response,
+    which costs more than a cached poll itself."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def observe(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observe)
+        finally:
+            template = getattr(scope.get("route"), "path", "unmatched")
+            REQUEST_LATENCY.labels(scope["method"], template, str(status)).observe(
+                time.perf_counter() - start
+            )

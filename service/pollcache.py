@@ -1,17 +1,20 @@
 """Short-lived snapshots of job summaries, for dashboards that poll.
 
 Two hundred dashboards polling one job every second would otherwise cost two hundred reads
-of the job row (and two hundred empty history queries) per second, competing with the worker
-that writes the history. A snapshot is reused for ``ttl`` seconds: polls within that window
-cost a dictionary lookup, and a poll that is already at the job's last step gets its empty
-page without touching the database. Staleness is bounded by ``ttl`` (0.5 s by default);
-changes made through this API process (cancel, priority) drop the snapshot at once.
+of the job row and two hundred history queries per second, competing with the worker that
+writes the history. A snapshot is reused for ``ttl`` seconds: polls within that window cost
+a dictionary lookup; a poll already at the snapshot's last step gets its empty page without
+touching the database; and new rows are served only up to the snapshot's last step, so the
+pollers' cursors meet on the same steps and one query answers all of them (``Page``).
+Staleness is bounded by ``ttl`` (0.5 s by default); changes made through this API process
+(cancel, priority) drop the snapshot at once.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.etag import etag_of, serialize
@@ -27,12 +30,42 @@ class Snapshot:
     taken: float
 
 
+@dataclass(frozen=True)
+class Page:
+    """A history page cut at a snapshot's last step, so every poller that was at the same
+    step asks for, and gets, the same page."""
+
+    body: bytes
+    etag: str
+    taken: float  # the snapshot it belongs to
+
+
 class PollCache:
+    """Snapshots and pages, each refreshed by one thread at a time: when a snapshot expires
+    under two hundred pollers, one of them reloads it and the others wait for that (instead of
+    all reloading at once, each invalidating the others' pages)."""
+
     def __init__(self, ttl: float, size: int = 4096) -> None:
         self.ttl = ttl
         self.size = size
         self._items: dict[int, Snapshot] = {}
+        self._pages: dict[tuple[int, int, int], Page] = {}
         self._lock = threading.Lock()
+        self._flights: dict[object, threading.Lock] = {}
+
+    def single_flight(self, key: object) -> threading.Lock:
+        """The lock that serializes refreshing ``key``."""
+        with self._lock:
+            if len(self._flights) >= self.size:
+                self._flights.clear()
+            return self._flights.setdefault(key, threading.Lock())
+
+    def snapshot(self, job_id: int, load: Callable[[], JobOut]) -> Snapshot:
+        """The fresh snapshot, loading it if needed; one loader per job at a time."""
+        if self.ttl <= 0:
+            return self.store(job_id, load())
+        with self.single_flight(("job", job_id)):
+            return self.fresh(job_id) or self.store(job_id, load())
 
     def fresh(self, job_id: int) -> Snapshot | None:
         if self.ttl <= 0:
@@ -51,6 +84,21 @@ class PollCache:
                     self._items.clear()
                 self._items[job_id] = snap
         return snap
+
+    def page(self, job_id: int, after_step: int, limit: int, snap: Snapshot) -> Page | None:
+        page = self._pages.get((job_id, after_step, limit))
+        return page if page is not None and page.taken == snap.taken else None
+
+    def store_page(
+        self, job_id: int, after_step: int, limit: int, snap: Snapshot, body: bytes
+    ) -> Page:
+        page = Page(body, etag_of(body), snap.taken)
+        if self.ttl > 0:
+            with self._lock:
+                if len(self._pages) >= self.size:
+                    self._pages.clear()
+                self._pages[(job_id, after_step, limit)] = page
+        return page
 
     def forget(self, job_id: int) -> None:
         with self._lock:

@@ -15,13 +15,15 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from service import history, jobs
 from service.db import Database
 from service.deps import MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
 from service.errors import SpecError
-from service.etag import etag_response
+from service.etag import etag_of, etag_response, respond
 from service.models import FINISHED_STATUSES, ScaleEvent, Step
+from service.pollcache import PollCache
 from service.routes.jobs import job_out
 from service.schemas import (
     BucketOut,
@@ -29,6 +31,7 @@ from service.schemas import (
     ComparedJob,
     Comparison,
     HistoryPage,
+    JobOut,
     ScaleEventOut,
     ScaleEventPage,
     StepOut,
@@ -56,6 +59,33 @@ def step_out(r: Step) -> StepOut:
         loss_scale=r.loss_scale,
         finite=r.finite,
     )
+
+
+def page_body(job_id: int, status: str, rows: list[Step], after_step: int, has_more: bool) -> bytes:
+    """A HistoryPage as JSON, built from plain dicts: a page of a thousand rows is the
+    largest thing a poller asks for, and pydantic objects per row would cost several times the
+    query. ``tests/test_api_jobs.py`` checks it against the HistoryPage schema."""
+    items = []
+    for r in rows:
+        loss = r.loss
+        items.append(
+            {
+                "step": r.step,
+                "epoch": r.epoch,
+                "loss": json_float(loss),
+                "loss_nonfinite": loss_flag(loss),
+                "loss_scale": r.loss_scale,
+                "finite": r.finite,
+            }
+        )
+    page = {
+        "job_id": job_id,
+        "status": status,
+        "items": items,
+        "next_after_step": rows[-1].step if rows else after_step,
+        "has_more": has_more,
+    }
+    return json.dumps(page, separators=(",", ":"), allow_nan=False).encode()
 
 
 def bucket_out(b: history.Bucket) -> BucketOut:
@@ -94,10 +124,10 @@ def _range(
     response_model=HistoryPage | BucketPage,
     responses={304: {"description": "Not modified (If-None-Match)"}, **ERRORS},
 )
-def get_history(
+async def get_history(
     job_id: JobId,
     request: Request,
-    session: SessionDep,
+    db: DbDep,
     cache: PollCacheDep,
     _: PrincipalDep,
     after_step: Annotated[
@@ -111,36 +141,76 @@ def get_history(
     from_step: Annotated[int | None, Query(ge=0, le=MAX_STEP, description="Buckets: zoom.")] = None,
     to_step: Annotated[int | None, Query(ge=0, le=MAX_STEP, description="Buckets: zoom.")] = None,
 ) -> Response:
+    # Async so that the common poll, one that already has every row as of the job's snapshot,
+    # is answered on the event loop without a thread hop or a query.
     snap = cache.fresh(job_id)
-    if (
-        points is None
-        and snap is not None
-        and (snap.last_step is None or after_step >= snap.last_step)
-    ):
-        # A poller that has everything (as of the snapshot): answer without a query.
-        return etag_response(
-            request,
-            HistoryPage(
-                job_id=job_id,
-                status=snap.status,
-                items=[],
-                next_after_step=after_step,
-                has_more=False,
-            ),
-        )
+    if points is None and snap is not None:
+        if snap.last_step is None or after_step >= snap.last_step:
+            body = page_body(job_id, snap.status, [], after_step, False)
+            return respond(request, body, etag_of(body))
+        page = cache.page(job_id, after_step, limit, snap)
+        if page is not None:
+            return respond(request, page.body, page.etag)
+    return await run_in_threadpool(
+        _history, request, db, cache, job_id, after_step, limit, points, from_step, to_step
+    )
+
+
+def _history(
+    request: Request,
+    db: Database,
+    cache: PollCache,
+    job_id: int,
+    after_step: int,
+    limit: int,
+    points: int | None,
+    from_step: int | None,
+    to_step: int | None,
+) -> Response:
+    if points is None and cache.ttl > 0:
+        return _polled_rows(request, db, cache, job_id, after_step, limit)
+    with db.read() as session:
+        return _history_in(request, session, job_id, after_step, limit, points, from_step, to_step)
+
+
+def _polled_rows(
+    request: Request, db: Database, cache: PollCache, job_id: int, after_step: int, limit: int
+) -> Response:
+    """New rows for a poller, cut at the job's snapshot so that pollers' cursors meet and one
+    query (one at a time, by single flight) answers all of those at the same step."""
+
+    def load() -> JobOut:
+        with db.read() as session:
+            return job_out(jobs.get_job(session, job_id))
+
+    snap = cache.fresh(job_id) or cache.snapshot(job_id, load)
+    with cache.single_flight(("page", job_id, after_step, limit)):
+        page = cache.page(job_id, after_step, limit, snap)
+        if page is None:
+            with db.read() as session:
+                rows, has_more = history.read_steps(
+                    session, job_id, after_step=after_step, limit=limit, up_to=snap.last_step
+                )
+            body = page_body(job_id, snap.status, rows, after_step, has_more)
+            page = cache.store_page(job_id, after_step, limit, snap, body)
+    return respond(request, page.body, page.etag)
+
+
+def _history_in(
+    request: Request,
+    session: Session,
+    job_id: int,
+    after_step: int,
+    limit: int,
+    points: int | None,
+    from_step: int | None,
+    to_step: int | None,
+) -> Response:
     job = jobs.get_job(session, job_id)
-    if cache.ttl > 0:
-        cache.store(job_id, job_out(job))
     if points is None:
         rows, has_more = history.read_steps(session, job_id, after_step=after_step, limit=limit)
-        page = HistoryPage(
-            job_id=job_id,
-            status=job.status,
-            items=[step_out(r) for r in rows],
-            next_after_step=rows[-1].step if rows else after_step,
-            has_more=has_more,
-        )
-        return etag_response(request, page)
+        body = page_body(job_id, job.status, rows, after_step, has_more)
+        return respond(request, body, etag_of(body))
     span = _range(session, job_id, from_step, to_step)
     lo, hi = span if span is not None else (from_step or 0, to_step or 0)
     grid = history.grid_for(lo, max(lo, hi), points)

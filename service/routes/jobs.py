@@ -6,14 +6,17 @@ import hashlib
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import IntegrityError
 
 from service import jobs, specs
 from service.auth import require_owner_or_admin
+from service.db import Database
 from service.deps import (
     MAX_ID,
+    DbDep,
     JobId,
     PollCacheDep,
     PrincipalDep,
@@ -24,6 +27,7 @@ from service.deps import (
 from service.errors import Conflict
 from service.etag import etag_response, respond
 from service.models import Job, utcnow
+from service.pollcache import PollCache, Snapshot
 from service.schemas import (
     JobOut,
     JobPage,
@@ -195,15 +199,27 @@ def list_jobs(
         **error_responses(401, 404, 422),
     },
 )
-def get_job(
+async def get_job(
     job_id: JobId,
     request: Request,
-    session: SessionDep,
+    db: DbDep,
     cache: PollCacheDep,
     _: PrincipalDep,
 ) -> Response:
-    snap = cache.fresh(job_id) or cache.store(job_id, job_out(jobs.get_job(session, job_id)))
+    # Async: a poll inside the snapshot's lifetime is answered on the event loop, with no
+    # thread hop and no query; only a stale snapshot reads the database (in a thread).
+    snap = cache.fresh(job_id)
+    if snap is None:
+        snap = await run_in_threadpool(_snapshot, db, cache, job_id)
     return respond(request, snap.body, snap.etag)
+
+
+def _snapshot(db: Database, cache: PollCache, job_id: int) -> Snapshot:
+    def load() -> JobOut:
+        with db.read() as session:
+            return job_out(jobs.get_job(session, job_id))
+
+    return cache.snapshot(job_id, load)
 
 
 @router.post(
