@@ -16,6 +16,7 @@ import pytest
 
 from service.settings import Settings
 from tests.conftest import Api
+from tests.test_training_keras import all_history
 
 pytestmark = pytest.mark.keras
 
@@ -113,14 +114,7 @@ def test_sigkilled_worker_job_resumes_from_checkpoint_with_no_gap_and_no_duplica
     job = api.get(f"/v1/jobs/{job_id}").json()
     assert job["status"] == "succeeded", job["error"] + log.read_text()[-3000:]
     assert job["attempt"] == 2
-    rows: list[dict[str, Any]] = []
-    after = -1
-    while True:
-        page = api.get(f"/v1/jobs/{job_id}/history?after_step={after}&limit=10000").json()
-        rows += page["items"]
-        after = page["next_after_step"]
-        if not page["has_more"]:
-            break
+    rows = all_history(api, job_id)
     assert [r["step"] for r in rows] == list(range(total))
     overflows = [r["step"] for r in rows if not r["finite"]]
     # The injected ones, plus the natural overflows of float16 once the scale has grown.

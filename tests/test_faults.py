@@ -24,7 +24,7 @@ from service.models import Job, Step
 from service.settings import Settings
 from tests import fakes
 from tests.conftest import PG_URL
-from tests.test_server_process import free_port
+from tests.live import free_port
 from tests.test_supervisor import load, make_job
 from workers.supervisor import Supervisor
 

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,15 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.live import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 HALFWAY = str(Path(sys.executable).parent / "halfway")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -20,20 +20,21 @@ def detect_gpus() -> list[int]:
             pynvml.nvmlShutdown()
     except Exception:  # not installed, or no driver
         pass
+    out = nvidia_smi("--query-gpu=index", "--format=csv,noheader")
+    return [] if out is None else [int(line) for line in out.split() if line.strip().isdigit()]
+
+
+def nvidia_smi(*args: str) -> str | None:
+    """nvidia-smi's output, or None when there is no nvidia-smi (or no driver)."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return []
+        return None
     try:
-        out = subprocess.run(
-            [smi, "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
+        return subprocess.run(
+            [smi, *args], capture_output=True, text=True, timeout=20, check=True
         ).stdout
     except (subprocess.SubprocessError, OSError):
-        return []
-    return [int(line) for line in out.split() if line.strip().isdigit()]
+        return None
 
 
 def parse_gpus(value: str | None) -> list[int]:
@@ -72,24 +73,15 @@ MemoryProbe = Callable[[list[int]], dict[int, int] | None]
 
 def used_memory_mib(gpu_ids: list[int]) -> dict[int, int] | None:
     """MiB in use on each GPU, via nvidia-smi; None when it cannot tell (no tool, no driver)."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None or not gpu_ids:
+    if not gpu_ids:
         return None
-    try:
-        out = subprocess.run(
-            [
-                smi,
-                "--query-gpu=index,memory.used",
-                "--format=csv,noheader,nounits",
-                "-i",
-                ",".join(str(g) for g in gpu_ids),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-    except (subprocess.SubprocessError, OSError):
+    out = nvidia_smi(
+        "--query-gpu=index,memory.used",
+        "--format=csv,noheader,nounits",
+        "-i",
+        ",".join(str(g) for g in gpu_ids),
+    )
+    if out is None:
         return None
     used = {}
     for line in out.strip().splitlines():
