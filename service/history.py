@@ -7,9 +7,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
+import psycopg
 from sqlalchemy import (
+    REAL,
+    Boolean,
     ColumnElement,
     Integer,
     Table,
@@ -46,6 +49,64 @@ def _upsert(session: Session, table: Table, rows: list[dict[str, Any]], keys: li
         set_={c.name: stmt.excluded[c.name] for c in table.columns if c.name not in keys},
     )
     session.execute(stmt, rows)
+
+
+# PostgreSQL: a batch in one statement, its columns as five array parameters. executemany,
+# even pipelined, spends most of its time per row in the driver (18k rows/s here); this is one
+# round trip and one plan for the whole batch.
+#
+# DO NOTHING rather than DO UPDATE (which doubles PostgreSQL's cost per row): a step is only
+# ever written again with the same values. A resumed attempt re-runs steps only after
+# truncate_after deleted them, a worker that lost its lease writes nothing (the write is
+# fenced), so a conflict can only be a batch resent after a commit whose acknowledgement was
+# lost, and that batch is the one already stored.
+_INSERT_STEPS_PG = text(
+    """
+    INSERT INTO step (job_id, step, epoch, loss, loss_scale, finite)
+    SELECT :job_id, t.step, t.epoch, t.loss, t.loss_scale, t.finite
+    FROM unnest(:steps, :epochs, :losses, :scales, :finite)
+         AS t(step, epoch, loss, loss_scale, finite)
+    ON CONFLICT (job_id, step) DO NOTHING
+    """
+).bindparams(
+    bindparam("steps", type_=postgresql.ARRAY(Integer)),
+    bindparam("epochs", type_=postgresql.ARRAY(Integer)),
+    bindparam("losses", type_=postgresql.ARRAY(REAL)),
+    bindparam("scales", type_=postgresql.ARRAY(REAL)),
+    bindparam("finite", type_=postgresql.ARRAY(Boolean)),
+)
+
+
+_COPY_STEPS = "COPY step (job_id, step, epoch, loss, loss_scale, finite) FROM STDIN (FORMAT BINARY)"
+
+
+def _insert_steps_pg(session: Session, job_id: int, records: Sequence[StepRecord]) -> None:
+    """Binary COPY: the fastest way into PostgreSQL (150k rows/s here against 88k for the
+    statement below). COPY cannot skip conflicts, so it runs in a savepoint, and a batch that
+    meets one (resent after a lost acknowledgement) takes the INSERT ... DO NOTHING path."""
+    raw = session.connection().connection.driver_connection
+    assert isinstance(raw, psycopg.Connection)
+    try:
+        with raw.transaction(), raw.cursor() as cursor, cursor.copy(_COPY_STEPS) as copy:
+            copy.set_types(["int4", "int4", "int4", "float4", "float4", "bool"])
+            for r in records:
+                loss = None if math.isnan(r.loss) else r.loss  # NaN is stored as NULL
+                copy.write_row((job_id, r.step, r.epoch, loss, r.loss_scale, r.finite))
+        return
+    except psycopg.errors.UniqueViolation:
+        pass  # the savepoint is rolled back; nothing of this batch was stored
+    session.execute(
+        _INSERT_STEPS_PG,
+        {
+            "job_id": job_id,
+            "steps": [r.step for r in records],
+            "epochs": [r.epoch for r in records],
+            # NaN is stored as NULL (NanAsNullReal), on this path too.
+            "losses": [None if math.isnan(r.loss) else r.loss for r in records],
+            "scales": [r.loss_scale for r in records],
+            "finite": [r.finite for r in records],
+        },
+    )
 
 
 def scale_events(
@@ -90,12 +151,15 @@ def write_steps(
     previous = session.scalar(
         select(Step.loss_scale).where(Step.job_id == job_id, Step.step == first - 1)
     )
-    _upsert(
-        session,
-        Step.__table__,  # type: ignore[arg-type]
-        [{"job_id": job_id, **r._asdict()} for r in records],
-        ["job_id", "step"],
-    )
+    if session.get_bind().dialect.name == "postgresql":
+        _insert_steps_pg(session, job_id, records)
+    else:
+        _upsert(
+            session,
+            Step.__table__,  # type: ignore[arg-type]
+            [{"job_id": job_id, **r._asdict()} for r in records],
+            ["job_id", "step"],
+        )
     refresh_rollups(session, job_id, first, records[-1].step)
     events = scale_events(records, previous)
     _upsert(
@@ -189,15 +253,26 @@ def loss_is_nonfinite() -> ColumnElement[bool]:
     return or_(Step.loss.is_(None), Step.loss > FLOAT32_MAX, Step.loss < -FLOAT32_MAX)
 
 
+class StepRow(Protocol):
+    step: int
+    epoch: int
+    loss: float
+    loss_scale: float
+    finite: bool
+
+
 def read_steps(
     session: Session, job_id: int, *, after_step: int, limit: int, up_to: int | None = None
-) -> tuple[list[Step], bool]:
+) -> tuple[list[StepRow], bool]:
     """Rows with after_step < step (<= up_to) in step order; the bool says whether more
-    follow."""
-    query = select(Step).where(Step.job_id == job_id, Step.step > after_step)
+    follow. Plain rows, not ORM objects: building a thousand of those per poll cost more than
+    the query."""
+    query = select(Step.step, Step.epoch, Step.loss, Step.loss_scale, Step.finite).where(
+        Step.job_id == job_id, Step.step > after_step
+    )
     if up_to is not None:
         query = query.where(Step.step <= up_to)
-    rows = list(session.scalars(query.order_by(Step.step).limit(limit + 1)))
+    rows: list[StepRow] = list(session.execute(query.order_by(Step.step).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
 
 
@@ -303,10 +378,79 @@ def _agg_of_rollup(r: StepRollup) -> Agg:
     )
 
 
+_ROLLUP_COLUMNS = (
+    "first_step, last_step, count, loss_min, loss_max, loss_last, "
+    "scale_min, scale_max, scale_last, overflow_count, nonfinite_loss_count"
+)
+_ROLLUP_UPDATE = ", ".join(f"{c} = excluded.{c}" for c in _ROLLUP_COLUMNS.split(", "))
+# PostgreSQL aggregates each level in the database, in one statement: level 0 from the step
+# rows, each higher level from the one below. "Last" is the value at the greatest step.
+_ROLLUP_FROM_STEPS_PG = text(
+    f"""
+    INSERT INTO step_rollup (job_id, level, block, {_ROLLUP_COLUMNS})
+    SELECT :job_id, 0, step / :size, MIN(step), MAX(step), COUNT(*),
+           MIN(loss) FILTER (WHERE loss BETWEEN -:fmax AND :fmax),
+           MAX(loss) FILTER (WHERE loss BETWEEN -:fmax AND :fmax),
+           (array_agg(loss ORDER BY step DESC))[1],
+           MIN(loss_scale), MAX(loss_scale), (array_agg(loss_scale ORDER BY step DESC))[1],
+           COUNT(*) FILTER (WHERE NOT finite),
+           COUNT(*) FILTER (WHERE loss IS NULL OR NOT loss BETWEEN -:fmax AND :fmax)
+    FROM step
+    WHERE job_id = :job_id AND step BETWEEN :lo AND :hi
+    GROUP BY step / :size
+    ON CONFLICT (job_id, level, block) DO UPDATE SET {_ROLLUP_UPDATE}
+    """
+)
+_ROLLUP_FROM_BELOW_PG = text(
+    f"""
+    INSERT INTO step_rollup (job_id, level, block, {_ROLLUP_COLUMNS})
+    SELECT :job_id, :level, block / :per, MIN(first_step), MAX(last_step), SUM(count),
+           MIN(loss_min), MAX(loss_max), (array_agg(loss_last ORDER BY block DESC))[1],
+           MIN(scale_min), MAX(scale_max), (array_agg(scale_last ORDER BY block DESC))[1],
+           SUM(overflow_count), SUM(nonfinite_loss_count)
+    FROM step_rollup
+    WHERE job_id = :job_id AND level = :below AND block BETWEEN :b0 AND :b1
+    GROUP BY block / :per
+    ON CONFLICT (job_id, level, block) DO UPDATE SET {_ROLLUP_UPDATE}
+    """
+)
+
+
+def _refresh_rollups_pg(session: Session, job_id: int, lo: int, hi: int) -> None:
+    size = LEVEL_BLOCKS[0]
+    session.execute(
+        _ROLLUP_FROM_STEPS_PG,
+        {
+            "job_id": job_id,
+            "size": size,
+            "lo": (lo // size) * size,
+            "hi": (hi // size + 1) * size - 1,
+            "fmax": FLOAT32_MAX,
+        },
+    )
+    for level in range(1, len(LEVEL_BLOCKS)):
+        size, per = LEVEL_BLOCKS[level], LEVEL_BLOCKS[level] // LEVEL_BLOCKS[level - 1]
+        session.execute(
+            _ROLLUP_FROM_BELOW_PG,
+            {
+                "job_id": job_id,
+                "level": level,
+                "below": level - 1,
+                "per": per,
+                "b0": (lo // size) * per,
+                "b1": (hi // size + 1) * per - 1,
+            },
+        )
+
+
 def refresh_rollups(session: Session, job_id: int, lo: int, hi: int) -> None:
     """Recompute the rollup blocks that cover steps ``lo..hi`` (after a write or a truncation).
     Reads at most the written rows plus two partial blocks, and 64 level-0 summaries per
-    level-1 block."""
+    level-1 block. Blocks that end up empty are left to the caller (``truncate_after``
+    deletes whatever lies past a cut)."""
+    if session.get_bind().dialect.name == "postgresql":
+        _refresh_rollups_pg(session, job_id, lo, hi)
+        return
     table = StepRollup.__table__
     b0 = LEVEL_BLOCKS[0]
     first_block, last_block = lo // b0, hi // b0

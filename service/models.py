@@ -65,7 +65,9 @@ class Real32(TypeDecorator[float]):
     cache_ok = True
 
     def process_result_value(self, value: float | None, dialect: Dialect) -> float | None:
-        return None if value is None or not math.isfinite(value) else float32(value)
+        if value is None or dialect.name == "sqlite":
+            return value  # SQLite keeps the double it was given, already a float32 value
+        return float32(value) if math.isfinite(value) else float(value)
 
 
 class NanAsNullReal(TypeDecorator[float]):
@@ -88,7 +90,9 @@ class NanAsNullReal(TypeDecorator[float]):
     def process_result_value(self, value: float | None, dialect: Dialect) -> float:
         if value is None:
             return math.nan
-        return float32(value) if math.isfinite(value) else float(value)
+        if dialect.name == "sqlite" or not math.isfinite(value):
+            return float(value)
+        return float32(value)
 
 
 class Base(DeclarativeBase):

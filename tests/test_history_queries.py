@@ -19,6 +19,7 @@ from service.db import Database
 from service.history import StepRecord
 from service.models import Job, StepRollup, utcnow
 from service.routes import history as history_routes
+from service.schemas import BucketPage
 from tests.conftest import Api
 
 
@@ -108,6 +109,7 @@ def check_buckets(
     r = api.get(f"/v1/jobs/{job_id}/history?{query}")
     assert r.status_code == 200, r.text
     page: dict[str, Any] = r.json()
+    BucketPage.model_validate(page)  # the hand-built JSON keeps the documented shape
     lo_ = page["from_step"]
     hi_ = page["to_step"]
     expected = brute_force(records, lo_, hi_, page["origin"], page["width"])

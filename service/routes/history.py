@@ -22,7 +22,7 @@ from service.db import Database
 from service.deps import MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
 from service.errors import SpecError
 from service.etag import etag_of, etag_response, respond
-from service.models import FINISHED_STATUSES, ScaleEvent, Step
+from service.models import FINISHED_STATUSES, ScaleEvent
 from service.pollcache import PollCache
 from service.routes.jobs import job_out
 from service.schemas import (
@@ -50,7 +50,7 @@ SSE_POLL_SECONDS = 1.0
 SSE_KEEPALIVE_SECONDS = 15.0
 
 
-def step_out(r: Step) -> StepOut:
+def step_out(r: history.StepRow) -> StepOut:
     return StepOut(
         step=r.step,
         epoch=r.epoch,
@@ -61,7 +61,9 @@ def step_out(r: Step) -> StepOut:
     )
 
 
-def page_body(job_id: int, status: str, rows: list[Step], after_step: int, has_more: bool) -> bytes:
+def page_body(
+    job_id: int, status: str, rows: list[history.StepRow], after_step: int, has_more: bool
+) -> bytes:
     """A HistoryPage as JSON, built from plain dicts: a page of a thousand rows is the
     largest thing a poller asks for, and pydantic objects per row would cost several times the
     query. ``tests/test_api_jobs.py`` checks it against the HistoryPage schema."""
@@ -88,22 +90,27 @@ def page_body(job_id: int, status: str, rows: list[Step], after_step: int, has_m
     return json.dumps(page, separators=(",", ":"), allow_nan=False).encode()
 
 
+def bucket_dict(b: history.Bucket) -> dict[str, Any]:
+    """A BucketOut as a plain dict (a page holds thousands; see page_body)."""
+    return {
+        "index": b.index,
+        "first_step": b.first_step,
+        "last_step": b.last_step,
+        "count": b.count,
+        "loss_min": b.loss_min,
+        "loss_max": b.loss_max,
+        "loss_last": json_float(b.loss_last),
+        "loss_last_nonfinite": loss_flag(b.loss_last),
+        "scale_min": b.scale_min,
+        "scale_max": b.scale_max,
+        "scale_last": b.scale_last,
+        "overflow_count": b.overflow_count,
+        "nonfinite_loss_count": b.nonfinite_loss_count,
+    }
+
+
 def bucket_out(b: history.Bucket) -> BucketOut:
-    return BucketOut(
-        index=b.index,
-        first_step=b.first_step,
-        last_step=b.last_step,
-        count=b.count,
-        loss_min=b.loss_min,
-        loss_max=b.loss_max,
-        loss_last=json_float(b.loss_last),
-        loss_last_nonfinite=loss_flag(b.loss_last),
-        scale_min=b.scale_min,
-        scale_max=b.scale_max,
-        scale_last=b.scale_last,
-        overflow_count=b.overflow_count,
-        nonfinite_loss_count=b.nonfinite_loss_count,
-    )
+    return BucketOut(**bucket_dict(b))
 
 
 def _range(
@@ -215,19 +222,18 @@ def _history_in(
     lo, hi = span if span is not None else (from_step or 0, to_step or 0)
     grid = history.grid_for(lo, max(lo, hi), points)
     found = history.buckets(session, job_id, lo=lo, hi=hi, points=points) if span else []
-    return etag_response(
-        request,
-        BucketPage(
-            job_id=job_id,
-            status=job.status,
-            from_step=lo,
-            to_step=hi,
-            points=points,
-            width=grid.width,
-            origin=grid.origin,
-            buckets=[bucket_out(b) for b in found],
-        ),
-    )
+    page = {
+        "job_id": job_id,
+        "status": job.status,
+        "from_step": lo,
+        "to_step": hi,
+        "points": points,
+        "width": grid.width,
+        "origin": grid.origin,
+        "buckets": [bucket_dict(b) for b in found],
+    }
+    body = json.dumps(page, separators=(",", ":"), allow_nan=False).encode()
+    return respond(request, body, etag_of(body))
 
 
 @router.get(
