@@ -192,3 +192,33 @@ def test_lost_lease_kills_the_child_and_leaves_the_job_to_its_new_owner(
     assert not thread.is_alive()
     job = load(db, job_id)
     assert job.status == "running" and job.worker_id == "someone-else"
+
+
+def test_json_logs_carry_the_job_and_worker_ids(db: Database, settings: Settings) -> None:
+    import json
+    import logging
+
+    from service.logs import JsonFormatter
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    handler = Collect()
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("halfway.worker")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        job_id = make_job(db, {"steps": 3})
+        Supervisor(db, settings, trainer=fakes.trainer, worker_id="w-json").run_once()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    entries = [json.loads(line) for line in lines]
+    finished = [e for e in entries if e.get("status") == "succeeded"]
+    assert finished and finished[0]["job_id"] == job_id and finished[0]["worker_id"] == "w-json"
+    assert all({"time", "level", "logger", "message"} <= set(e) for e in entries)

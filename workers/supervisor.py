@@ -167,8 +167,14 @@ class Supervisor:
             claim.attempt,
             outcome.status,
             outcome.error or "",
+            extra=self._context(claim.job_id, attempt=claim.attempt, status=outcome.status),
         )
         return True
+
+    def _context(self, job_id: int, **more: object) -> dict[str, object]:
+        """Fields a JSON log line carries (``--json-logs``), so lines can be filtered by job
+        and worker."""
+        return {"job_id": job_id, "worker_id": self.worker_id, **more}
 
     # ---------------------------------------------------------------------------------------
     # One attempt
@@ -206,6 +212,13 @@ class Supervisor:
         )
         process.start()
         run.pid = process.pid
+        log.info(
+            "job %s attempt %s: training in process %s",
+            claim.job_id,
+            claim.attempt,
+            process.pid,
+            extra=self._context(claim.job_id, attempt=claim.attempt),
+        )
         sender.close()  # the child holds the only write end: EOF means it is gone
         pipe_open = True
         try:
@@ -351,6 +364,7 @@ class Supervisor:
                     run.job_id,
                     len(pending),
                     exc.orig,
+                    extra=self._context(run.job_id),
                 )
             run.next_db_try = time.monotonic() + run.db_backoff
             run.db_backoff = min(run.db_backoff * 2, DB_RETRY_MAX_SECONDS)
@@ -360,7 +374,12 @@ class Supervisor:
         if acknowledged is not None:
             checkpoints.prune(self.job_dir(run.job_id), acknowledged)
         if run.db_down_since is not None:
-            log.info("job %s: database back, wrote %d pending rows", run.job_id, len(pending))
+            log.info(
+                "job %s: database back, wrote %d pending rows",
+                run.job_id,
+                len(pending),
+                extra=self._context(run.job_id),
+            )
         run.db_down_since = None
         run.db_backoff = 0.25
         run.pending = run.pending[len(pending) :]
