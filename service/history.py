@@ -81,9 +81,10 @@ _COPY_STEPS = "COPY step (job_id, step, epoch, loss, loss_scale, finite) FROM ST
 
 
 def _insert_steps_pg(session: Session, job_id: int, records: Sequence[StepRecord]) -> None:
-    """Binary COPY: the fastest way into PostgreSQL (150k rows/s here against 88k for the
-    statement below). COPY cannot skip conflicts, so it runs in a savepoint, and a batch that
-    meets one (resent after a lost acknowledgement) takes the INSERT ... DO NOTHING path."""
+    """Binary COPY: the fastest way into PostgreSQL (800k rows/s here into the step table,
+    which has no foreign key for this reason, against 88k for the statement below). COPY
+    cannot skip conflicts, so it runs in a savepoint, and a batch that meets one (resent after
+    a lost acknowledgement) takes the INSERT ... DO NOTHING path."""
     raw = session.connection().connection.driver_connection
     assert isinstance(raw, psycopg.Connection)
     try:

@@ -14,9 +14,10 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import make_url
 
-from service import migrate
+from service import jobs, migrate
 from service.db import Database, normalize_url
-from service.models import Base
+from service.models import Base, utcnow
+from service.schemas import JobSpec, SubmitResult
 
 PG_URL = os.environ.get("HALFWAY_TEST_DATABASE_URL")
 
@@ -69,4 +70,48 @@ def test_upgrade_twice_is_a_no_op(empty_database: str) -> None:
     migrate.upgrade(db.engine)
     with db.engine.connect() as conn:
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() is not None
+    db.dispose()
+
+
+def test_0002_drops_the_step_foreign_key_and_keeps_every_row(empty_database: str) -> None:
+    db = Database.connect(empty_database)
+    migrate.upgrade(db.engine, "0001")
+    with db.write() as session:  # the job table is the same at 0001 and at head
+        job_id = jobs.create_job(
+            session,
+            owner="ada",
+            submitted=SubmitResult(spec=JobSpec(), warnings=[], notes=[]),
+            now=utcnow(),
+        ).id
+    with db.engine.begin() as conn:
+        conn.execute(
+            text("INSERT INTO step VALUES (:j, :s, 0, :loss, 1024.0, :finite)"),
+            [
+                {"j": job_id, "s": s, "loss": None if s == 3 else 0.5 * s, "finite": s != 2}
+                for s in range(5)
+            ],
+        )
+
+    def foreign_keys() -> list[str]:
+        return [fk["referred_table"] for fk in inspect(db.engine).get_foreign_keys("step")]
+
+    def rows() -> list[tuple[object, ...]]:
+        with db.engine.connect() as conn:
+            return [
+                tuple(r)
+                for r in conn.execute(
+                    text("SELECT job_id, step, loss, finite FROM step ORDER BY step")
+                )
+            ]
+
+    before = rows()
+    assert len(before) == 5 and foreign_keys() == ["job"]
+    migrate.upgrade(db.engine)
+    assert rows() == before and foreign_keys() == []
+    if db.dialect == "sqlite":  # the table is still clustered on its key
+        with db.engine.connect() as conn:
+            sql = conn.execute(text("SELECT sql FROM sqlite_master WHERE name = 'step'")).scalar()
+        assert "WITHOUT ROWID" in str(sql)
+    migrate.downgrade(db.engine, "0001")
+    assert rows() == before and foreign_keys() == ["job"]
     db.dispose()
