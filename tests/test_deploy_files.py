@@ -855,9 +855,9 @@ def test_compose_client_accepts_the_file_and_refuses_it_without_a_database_passw
     client = compose_client()
     if client is None:
         pytest.skip(
-            "no Docker Compose client (`docker compose` plugin or `docker-compose`) on PATH: "
-            "this machine kind (python-svc), and so CI, has none; the schema test above "
-            "validates the file instead"
+            "no Docker Compose client (`docker compose` plugin or `docker-compose`) on PATH "
+            "(.ci/run installs Debian's docker-compose); the schema test above still "
+            "validates the file"
         )
     empty_env_file = tmp_path / "empty.env"  # a developer's .env must not decide the result
     empty_env_file.write_text("")
