@@ -24,14 +24,13 @@ from service.errors import SpecError
 from service.etag import etag_of, etag_response, respond
 from service.models import FINISHED_STATUSES, ScaleEvent
 from service.pollcache import PollCache
-from service.routes.jobs import job_out
+from service.routes.jobs import job_out, job_snapshot
 from service.schemas import (
     BucketOut,
     BucketPage,
     ComparedJob,
     Comparison,
     HistoryPage,
-    JobOut,
     ScaleEventOut,
     ScaleEventPage,
     error_responses,
@@ -172,11 +171,7 @@ def _polled_rows(
     """New rows for a poller, cut at the job's snapshot so that pollers' cursors meet and one
     query (one at a time, by single flight) answers all of those at the same step."""
 
-    def load() -> JobOut:
-        with db.read() as session:
-            return job_out(jobs.get_job(session, job_id))
-
-    snap = cache.fresh(job_id) or cache.snapshot(job_id, load)
+    snap = job_snapshot(db, cache, job_id)
     with cache.single_flight(("page", job_id, after_step, limit)):
         page = cache.page(job_id, after_step, limit, snap)
         if page is None:

@@ -210,11 +210,13 @@ async def get_job(
     # thread hop and no query; only a stale snapshot reads the database (in a thread).
     snap = cache.fresh(job_id)
     if snap is None:
-        snap = await run_in_threadpool(_snapshot, db, cache, job_id)
+        snap = await run_in_threadpool(job_snapshot, db, cache, job_id)
     return respond(request, snap.body, snap.etag)
 
 
-def _snapshot(db: Database, cache: PollCache, job_id: int) -> Snapshot:
+def job_snapshot(db: Database, cache: PollCache, job_id: int) -> Snapshot:
+    """The job's poll snapshot: the cached one, or read from the database (single flight)."""
+
     def load() -> JobOut:
         with db.read() as session:
             return job_out(jobs.get_job(session, job_id))
