@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tests.training_runs import job_spec, run_job
 from workers.builders import precision_report
+from workers.cpu import CpuPrecision
 from workers.training import build_trainer, configure_graph_rewrite
 
 pytestmark = pytest.mark.keras
@@ -105,7 +106,7 @@ print(json.dumps({
 """
 
 
-def test_graph_rewrite_turns_on_the_onednn_bfloat16_rewrite_and_trains(tmp_path: Path) -> None:
+def test_graph_rewrite_sets_the_onednn_option_and_does_what_this_cpu_allows(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "-1"}
     done = subprocess.run(
         [sys.executable, "-c", REWRITE_SCRIPT, str(tmp_path)],
@@ -128,7 +129,26 @@ def test_graph_rewrite_turns_on_the_onednn_bfloat16_rewrite_and_trains(tmp_path:
     plain, rewrite = out["plain"], out["rewrite"]
     assert [r[0] for r in rewrite] == list(range(len(plain)))
     assert all(r[3] == 1.0 for r in rewrite)
-    # The rewrite took effect: bfloat16 matmuls move the losses, though not by much.
     losses = [(p[2], r[2]) for p, r in zip(plain, rewrite, strict=True)]
-    assert any(p != r for p, r in losses)
-    assert all(abs(p - r) <= 0.05 * abs(p) for p, r in losses)
+    warnings = out["device"]["warnings"]
+    cpu = CpuPrecision.detect()
+    if cpu.onednn_bfloat16_rewrite:
+        # The rewrite took effect: bfloat16 matmuls move the losses, though not by much.
+        assert any(p != r for p, r in losses)
+        assert all(abs(p - r) <= 0.05 * abs(p) for p, r in losses)
+        assert not any("no-op" in w for w in warnings)
+        assert any("emulated" in w for w in warnings) == (not cpu.bfloat16_native)
+    else:
+        # TensorFlow skips the rewrite on a CPU without AVX-512F or AVX-NE-CONVERT: the job
+        # trains exactly as float32 does, and is told so.
+        assert losses == [(p, p) for p, _ in losses]
+        assert any("graph_rewrite on this CPU is a no-op" in w for w in warnings), warnings
+
+
+def test_a_mixed_bfloat16_job_is_told_what_this_cpu_does_with_bfloat16(tmp_path: Path) -> None:
+    spec = job_spec(tmp_path, precision={"policy": "mixed_bfloat16"}, training={"epochs": 1})
+    run = run_job(spec, tmp_path / "job")
+    assert run.status == "succeeded", run.error
+    warnings = run.started["device"]["warnings"]
+    emulated = any("bfloat16 arithmetic is emulated" in w for w in warnings)
+    assert emulated == (not CpuPrecision.detect().bfloat16_native), warnings

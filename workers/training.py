@@ -23,6 +23,7 @@ import tensorflow as tf
 from workers import data as data_mod
 from workers.builders import build_model, build_optimizer, precision_report
 from workers.checkpoints import checkpoint_path
+from workers.cpu import CpuPrecision, cpu_warnings
 from workers.protocol import JobError, Message
 from workers.recording import Drained, HalfwayTrainer, OverflowForensics, StepRecorder
 from workers.scaler import HalfwayLossScaleOptimizer, make_scaler
@@ -60,7 +61,9 @@ def configure_devices(ctx: RunContext) -> dict[str, Any]:
         info.setdefault("compute_capability", []).append(cc)
         info.setdefault("device_names", []).append(details.get("device_name"))
     policy = ctx.spec["precision"]["policy"]
-    info["warnings"] = hardware_warnings(policy, info.get("compute_capability", []))
+    info["warnings"] = hardware_warnings(
+        policy, info.get("compute_capability", []), bool(ctx.spec["precision"]["graph_rewrite"])
+    )
     replicas = int(ctx.spec.get("resources", {}).get("cpu_replicas", 1))
     if not gpus and replicas > 1:
         # Rehearse multi-device training on a CPU: split it into logical devices. This must
@@ -84,19 +87,21 @@ def make_strategy() -> tf.distribute.Strategy | None:
     return None
 
 
-def hardware_warnings(policy: str, capabilities: list[tuple[int, int] | None]) -> list[str]:
-    """bfloat16 needs compute capability 8.0 and float16 Tensor Cores 7.0 to be fast."""
+def hardware_warnings(
+    policy: str,
+    capabilities: list[tuple[int, int] | None],
+    graph_rewrite: bool = False,
+    cpu: CpuPrecision | None = None,
+) -> list[str]:
+    """bfloat16 needs compute capability 8.0 and float16 Tensor Cores 7.0 to be fast; on a CPU,
+    what the precision settings do depends on its instructions (workers/cpu.py)."""
+    if not capabilities:
+        return cpu_warnings(policy, graph_rewrite, cpu or CpuPrecision.detect())
     warnings: list[str] = []
     compute = {"mixed_float16": "float16", "float16": "float16"}.get(policy) or (
         "bfloat16" if "bfloat16" in policy else None
     )
     if compute is None:
-        return warnings
-    if not capabilities:
-        warnings.append(
-            f"{policy} on the CPU: {compute} arithmetic is emulated on most CPUs and usually "
-            "slower than float32; it is here for rehearsal and correctness, not speed."
-        )
         return warnings
     need = (8, 0) if compute == "bfloat16" else (7, 0)
     for i, cc in enumerate(capabilities):
