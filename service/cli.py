@@ -9,7 +9,8 @@ from typing import Annotated
 
 import typer
 
-from service import auth, client_cli, migrate
+from service import auth, migrate
+from service.client import commands as client_commands
 from service.db import Database
 from service.settings import Settings
 
@@ -250,7 +251,7 @@ def users_token(name: str) -> None:
 
 
 def main() -> None:
-    client_cli.register(app)
+    client_commands.register(app)
     app(prog_name="halfway")
 
 

@@ -26,9 +26,15 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
-FINISHED_STATUSES = ("succeeded", "failed", "cancelled")
+from service.vocabulary import FINISHED_STATUSES, JOB_STATUSES, SCALE_EVENT_REASONS
+
+__all__ = ["FINISHED_STATUSES", "JOB_STATUSES"]  # re-exported: the ORM's callers use them here
+
 ROLES = ("admin", "member")
+
+
+def _sql_list(words: tuple[str, ...]) -> str:
+    return ", ".join(f"'{w}'" for w in words)
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -112,7 +118,7 @@ class Job(Base):
     __tablename__ = "job"
     __table_args__ = (
         CheckConstraint(
-            "status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled')",
+            f"status IN ({_sql_list(JOB_STATUSES)})",
             name="ck_job_status",
         ),
         # The claim query's candidate scan: queued jobs in priority order.
@@ -220,7 +226,9 @@ class ScaleEvent(Base):
 
     __tablename__ = "scale_event"
     __table_args__ = (
-        CheckConstraint("reason IN ('overflow', 'growth')", name="ck_scale_event_reason"),
+        CheckConstraint(
+            f"reason IN ({_sql_list(SCALE_EVENT_REASONS)})", name="ck_scale_event_reason"
+        ),
         {"sqlite_with_rowid": False},
     )
 

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from service import jobs, specs
 from service.errors import FieldErrors, NotFound, SpecError
-from service.models import Job, Sweep
+from service.models import FINISHED_STATUSES, Job, Sweep
 from service.schemas import JobSpec, SweepOut, SweepSpec, VariantResult, json_float
 from service.settings import Settings
 
@@ -122,7 +122,7 @@ def compare(session: Session, sweep_id: int) -> SweepOut:
         owner=sweep.owner,
         created_at=sweep.created_at,
         target_loss=sweep.target_loss,
-        done=all(j.status in ("succeeded", "failed", "cancelled") for j in rows),
+        done=all(j.status in FINISHED_STATUSES for j in rows),
         variants=variants,
     )
 

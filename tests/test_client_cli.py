@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner, Result
 
-from service import client_cli, history, jobs
+from service import history, jobs
 from service.cli import app as cli_app
-from service.client_cli import CliError, ExitCode, HalfwayClient, Target, resolve_target
+from service.client import Client, ExitCode, UsageError, resolve_target
+from service.client import commands as client_commands
 from service.history import StepRecord
 from service.models import Job, utcnow
 from tests.live import CLIENT_ENV, Live, free_port, halfway
@@ -42,12 +43,12 @@ training: {epochs: 2, batch_size: 32}
 @pytest.fixture(autouse=True)
 def quick_polls(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process commands poll every 0.2 s instead of 1 s (subprocesses keep 1 s)."""
-    monkeypatch.setattr(client_cli, "POLL_SECONDS", 0.2)
+    monkeypatch.setattr(client_commands, "POLL_SECONDS", 0.2)
 
 
 def cli(live: Live | None, *args: str, input: str | None = None, **env: str | None) -> Result:
     """``halfway ARGS`` in this process, as alice unless ``env`` says otherwise."""
-    client_cli.register(cli_app)
+    client_commands.register(cli_app)
     base = live.env() if live else {k: None for k in CLIENT_ENV}
     return CliRunner().invoke(cli_app, list(args), env=base | env, input=input)
 
@@ -247,13 +248,13 @@ def test_show_prints_status_error_attempts_warnings_notes_summary_and_spec(live:
 
 def test_polling_a_job_that_has_not_changed_costs_an_empty_304(live: Live) -> None:
     job_id = live.submit(TINY)
-    client = HalfwayClient(Target(live.url, live.team.alice, "test"))
+    client = Client(live.url, live.team.alice)
     try:
-        job, etag = client.job(job_id)
+        job, etag = client.job_if_changed(job_id, None)
         assert job is not None and job["status"] == "queued" and etag
-        assert client.job(job_id, etag) == (None, etag)
+        assert client.job_if_changed(job_id, etag) == (None, etag)
         live.api("POST", f"/v1/jobs/{job_id}/cancel")
-        changed, new_etag = client.job(job_id, etag)
+        changed, new_etag = client.job_if_changed(job_id, etag)
         assert changed is not None and changed["status"] == "cancelled" and new_etag != etag
     finally:
         client.close()
@@ -531,7 +532,7 @@ def test_resolve_target_defaults_and_refuses_a_url_without_scheme(tmp_path: Path
     assert resolve_target(None, None, empty).url == "http://127.0.0.1:8000"
     assert resolve_target(None, None, empty).token is None
     assert resolve_target("http://h:1/", "t", empty).url == "http://h:1"
-    with pytest.raises(CliError) as refused:
+    with pytest.raises(UsageError) as refused:
         resolve_target(None, None, {**empty, "HALFWAY_URL": "localhost:8000"})
     assert refused.value.code == ExitCode.USAGE
     assert "(from HALFWAY_URL)" in refused.value.message

@@ -71,9 +71,8 @@ def cpu_warnings(policy: str, graph_rewrite: bool, cpu: CpuPrecision) -> list[st
         have = (
             "has float16 instructions (AVX512-FP16/AMX-FP16)"
             if cpu.float16_native
-            else (
-                "has no float16 instructions (AVX512-FP16/AMX-FP16), so float16 arithmetic is emulated"
-            )
+            else "has no float16 instructions (AVX512-FP16/AMX-FP16), so float16 arithmetic is "
+            "emulated"
         )
         warnings.append(
             f"{policy} on the CPU: this CPU {have}; TensorFlow's CPU kernels are usually slower "

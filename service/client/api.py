@@ -1,0 +1,424 @@
+"""``Client``: Halfway's public Python API, over HTTP (httpx). The ``halfway`` commands are
+built on it, and notebooks use it directly::
+
+    from service.client import Client
+
+    hw = Client()                      # URL and token as the CLI finds them
+    job = hw.submit(spec)
+    hw.wait(job["id"], on_progress=lambda j: print(j["progress"]["step"]))
+    df = hw.history(job["id"])         # every step: step, epoch, loss, loss_scale, finite
+
+Every failure is a typed exception from ``service.client.errors`` (``Unauthorized``,
+``Forbidden``, ``NotFound``, ``Conflict``, ``Invalid``, ``Unreachable``, ...)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import httpx
+
+from service.client.config import Target, resolve_target
+from service.client.errors import (
+    Conflict,
+    Forbidden,
+    HalfwayError,
+    Invalid,
+    NotFound,
+    ServerError,
+    Unauthorized,
+    Unreachable,
+)
+from service.vocabulary import FINISHED_STATUSES
+
+if TYPE_CHECKING:
+    import pandas
+
+Job: TypeAlias = dict[str, Any]
+HISTORY_COLUMNS = ("step", "epoch", "loss", "loss_scale", "finite")
+NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+# Rows per request when reading a whole history (the server's page limit).
+HISTORY_PAGE_ROWS = 10_000
+# wait() survives a server restart or a database blip this long before giving up.
+WAIT_PATIENCE_SECONDS = 60.0
+TRANSIENT: tuple[type[HalfwayError], ...] = (Unreachable, ServerError)
+
+
+class Client:
+    """One server, one token. ``url``/``token`` default as the CLI's do: the environment
+    (``HALFWAY_URL``/``HALFWAY_TOKEN``), then the config file, then ``http://127.0.0.1:8000``."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.target = resolve_target(url, token, env)
+        headers = {"User-Agent": "halfway-client"}
+        if self.target.token:
+            headers["Authorization"] = f"Bearer {self.target.token}"
+        self._http = httpx.Client(
+            base_url=self.target.url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=5.0),
+        )
+
+    @property
+    def url(self) -> str:
+        return self.target.url
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------------------
+    # Transport
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str | int | float | bool] | None = None,
+        body: Any = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, params=params, json=body, headers=headers)
+        except httpx.TransportError as exc:
+            raise unreachable(self.target.url, exc) from None
+        if response.status_code >= 400:
+            raise api_error(response, self.target)
+        return response
+
+    @contextlib.contextmanager
+    def stream(
+        self, path: str, params: Mapping[str, str | int] | None = None
+    ) -> Iterator[httpx.Response]:
+        try:
+            with self._http.stream("GET", path, params=params) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise api_error(response, self.target)
+                yield response
+        except httpx.TransportError as exc:
+            raise unreachable(self.target.url, exc) from None
+
+    def _get_json(self, path: str, params: Mapping[str, str | int] | None = None) -> Any:
+        return response_json(self.request("GET", path, params=params))
+
+    # ----------------------------------------------------------------------------------------
+    # Jobs
+
+    def post_job(
+        self,
+        spec: Mapping[str, Any],
+        *,
+        dry_run: bool = False,
+        idempotency_key: str | None = None,
+    ) -> tuple[dict[str, Any], bool]:
+        """The job (for a dry run: the normalized spec with its warnings and notes), and
+        whether the server replayed the job first submitted with ``idempotency_key``."""
+        response = self.request(
+            "POST",
+            "/v1/jobs",
+            params={"dry_run": "true"} if dry_run else None,
+            body=dict(spec),
+            headers={"Idempotency-Key": idempotency_key} if idempotency_key else None,
+        )
+        return response_json(response), response.headers.get("Idempotent-Replayed") == "true"
+
+    def submit(
+        self,
+        spec: Mapping[str, Any],
+        *,
+        dry_run: bool = False,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Submit a job spec (a mapping, as in a spec file) and return the job. A dry run
+        validates and normalizes it and stores nothing."""
+        job, _ = self.post_job(spec, dry_run=dry_run, idempotency_key=idempotency_key)
+        return job
+
+    def job(self, job_id: int) -> Job:
+        job: Job = self._get_json(f"/v1/jobs/{job_id}")
+        return job
+
+    def job_if_changed(self, job_id: int, etag: str | None) -> tuple[Job | None, str | None]:
+        """The job, or None when it has not changed since ``etag`` (the server's 304)."""
+        response = self.request(
+            "GET", f"/v1/jobs/{job_id}", headers={"If-None-Match": etag} if etag else None
+        )
+        if response.status_code == 304:
+            return None, etag
+        return response_json(response), response.headers.get("ETag")
+
+    def jobs(
+        self,
+        *,
+        status: str | None = None,
+        owner: str | None = None,
+        limit: int = 20,
+        cursor: str | None = None,
+    ) -> dict[str, Any]:
+        """One page of jobs, newest first: ``{"items": [...], "next_cursor": ...}``."""
+        params: dict[str, str | int] = {"limit": limit}
+        for key, value in (("status", status), ("owner", owner), ("cursor", cursor)):
+            if value is not None:
+                params[key] = value
+        page: dict[str, Any] = self._get_json("/v1/jobs", params)
+        return page
+
+    def cancel(self, job_id: int) -> Job:
+        job: Job = response_json(self.request("POST", f"/v1/jobs/{job_id}/cancel"))
+        return job
+
+    def wait(
+        self,
+        job_id: int,
+        on_progress: Callable[[Job], None] | None = None,
+        *,
+        poll_seconds: float = 1.0,
+        patience_seconds: float = WAIT_PATIENCE_SECONDS,
+        on_retry: Callable[[HalfwayError], None] | None = None,
+    ) -> Job:
+        """Poll until the job has finished and return it. ``on_progress`` is called with the
+        job each time it changes (an unchanged job costs an empty 304). A server that is
+        briefly unreachable or failing is retried for ``patience_seconds`` (``on_retry`` is
+        told each time)."""
+        etag: str | None = None
+        while True:
+            job, etag = self._poll_patiently(job_id, etag, patience_seconds, poll_seconds, on_retry)
+            if job is not None:
+                if on_progress is not None:
+                    on_progress(job)
+                if job["status"] in FINISHED_STATUSES:
+                    return job
+            time.sleep(poll_seconds)
+
+    def _poll_patiently(
+        self,
+        job_id: int,
+        etag: str | None,
+        patience: float,
+        pause: float,
+        on_retry: Callable[[HalfwayError], None] | None,
+    ) -> tuple[Job | None, str | None]:
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                return self.job_if_changed(job_id, etag)
+            except TRANSIENT as exc:
+                if time.monotonic() > deadline:
+                    raise
+                if on_retry is not None:
+                    on_retry(exc)
+                time.sleep(pause)
+
+    # ----------------------------------------------------------------------------------------
+    # History
+
+    def history_page(self, job_id: int, *, after_step: int = -1, limit: int = 1000) -> Job:
+        """Raw rows after ``after_step``: ``{"items": [...], "next_after_step", "has_more"}``."""
+        page: dict[str, Any] = self._get_json(
+            f"/v1/jobs/{job_id}/history", {"after_step": after_step, "limit": limit}
+        )
+        return page
+
+    def history_rows(self, job_id: int) -> list[dict[str, Any]]:
+        """Every recorded step as a dict, non-finite losses as float NaN or ±inf."""
+        rows: list[dict[str, Any]] = []
+        after = -1
+        while True:
+            page = self.history_page(job_id, after_step=after, limit=HISTORY_PAGE_ROWS)
+            for item in page["items"]:
+                loss = item["loss"]
+                if loss is None and item.get("loss_nonfinite"):
+                    loss = NONFINITE[item["loss_nonfinite"]]
+                rows.append({**{k: item[k] for k in HISTORY_COLUMNS}, "loss": loss})
+            if not page["has_more"] or page["next_after_step"] is None:
+                return rows
+            after = page["next_after_step"]
+
+    def history(self, job_id: int) -> pandas.DataFrame:
+        """Every step of the job as a DataFrame with columns step, epoch, loss, loss_scale,
+        finite (non-finite losses as NaN and ±inf). Needs pandas: pip install 'halfway[client]'."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError(
+                "Client.history() returns a pandas DataFrame; install pandas with: "
+                "pip install 'halfway[client]'"
+            ) from None
+        rows = self.history_rows(job_id)
+        frame = pd.DataFrame(rows, columns=list(HISTORY_COLUMNS))
+        return frame.astype(
+            {"step": "int64", "epoch": "int64", "loss": "float64", "loss_scale": "float64"}
+        ).astype({"finite": "bool"})
+
+    def buckets(
+        self,
+        job_id: int,
+        points: int,
+        *,
+        from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> dict[str, Any]:
+        """At most ``points`` buckets with min/max/last loss and scale and overflow counts."""
+        params: dict[str, str | int] = {"points": points}
+        if from_step is not None:
+            params["from_step"] = from_step
+        if to_step is not None:
+            params["to_step"] = to_step
+        page: dict[str, Any] = self._get_json(f"/v1/jobs/{job_id}/history", params)
+        return page
+
+    def scale_events(self, job_id: int) -> list[dict[str, Any]]:
+        """Each change of the loss scale, oldest first, with its reason (overflow or growth)."""
+        events: list[dict[str, Any]] = []
+        after = -1
+        while True:
+            page = self._get_json(
+                f"/v1/jobs/{job_id}/loss-scale/events", {"after_step": after, "limit": 10_000}
+            )
+            events += page["items"]
+            if not page["has_more"] or page["next_after_step"] is None:
+                return events
+            after = page["next_after_step"]
+
+    @contextlib.contextmanager
+    def history_csv(self, job_id: int) -> Iterator[Iterator[bytes]]:
+        """The history as the server's CSV bytes, streamed."""
+        with self.stream(f"/v1/jobs/{job_id}/history.csv") as response:
+            yield response.iter_bytes()
+
+    # ----------------------------------------------------------------------------------------
+    # Logs, artifacts, sweeps
+
+    def logs(self, job_id: int, offset: int | None = None) -> tuple[bytes, int]:
+        """Log bytes from ``offset`` (None: the tail) and the offset to continue from."""
+        params = {"offset": offset} if offset is not None else None
+        response = self.request("GET", f"/v1/jobs/{job_id}/logs", params=params)
+        try:
+            after = int(response.headers["X-Log-Offset"])
+        except (KeyError, ValueError):
+            raise ServerError("the server sent no X-Log-Offset with the log") from None
+        return response.content, after
+
+    def artifacts(self, job_id: int) -> list[dict[str, Any]]:
+        listed: list[dict[str, Any]] = self._get_json(f"/v1/jobs/{job_id}/artifacts")
+        return listed
+
+    def create_sweep(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        created: dict[str, Any] = response_json(self.request("POST", "/v1/sweeps", body=dict(body)))
+        return created
+
+    def get_sweep(self, sweep_id: int) -> dict[str, Any]:
+        table: dict[str, Any] = self._get_json(f"/v1/sweeps/{sweep_id}")
+        return table
+
+    def sweep(
+        self,
+        spec: Mapping[str, Any],
+        *,
+        policies: Sequence[str] | None = None,
+        target_loss: float | None = None,
+        wait: bool = True,
+        poll_seconds: float = 2.0,
+    ) -> dict[str, Any]:
+        """One job per precision variant of ``spec`` (a job spec, or a sweep spec with
+        ``base`` and ``variants``), compared side by side. With ``wait``, returns the table
+        once every variant has finished."""
+        body: dict[str, Any] = (
+            dict(spec) if "base" in spec or "variants" in spec else {"base": dict(spec)}
+        )
+        if policies:
+            body["policies"] = list(policies)
+        if target_loss is not None:
+            body["target_loss"] = target_loss
+        table = self.create_sweep(body)
+        while wait and not table["done"]:
+            time.sleep(poll_seconds)
+            table = self.get_sweep(table["id"])
+        return table
+
+
+def response_json(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        raise ServerError(
+            f"{response.request.url} answered {response.status_code} with something that is "
+            "not JSON; is the URL a Halfway server?"
+        ) from None
+
+
+def unreachable(url: str, exc: httpx.TransportError) -> Unreachable:
+    reason = str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.TimeoutException):
+        reason = f"timed out ({reason})"
+    return Unreachable(
+        f"cannot reach Halfway at {url}: {reason}",
+        ["Is the server running (halfway serve)? Point elsewhere with --url or HALFWAY_URL."],
+    )
+
+
+def _error_body(response: httpx.Response) -> tuple[str, list[dict[str, Any]]]:
+    """The message and fields of Halfway's error JSON; the text of anything else."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        fields = body.get("fields")
+        message = body.get("message") or body.get("detail") or response.reason_phrase
+        listed = fields if isinstance(fields, list) else []
+        return str(message), [f for f in listed if isinstance(f, dict)]
+    text = response.text.strip()[:300]
+    return text or response.reason_phrase, []
+
+
+def api_error(response: httpx.Response, target: Target) -> HalfwayError:
+    status = response.status_code
+    message, fields = _error_body(response)
+    if status == 401:
+        sent = f"the token came from {target.token_source}" if target.token else "no token was sent"
+        return Unauthorized(
+            "token missing or invalid; set HALFWAY_TOKEN or --token",
+            [f"server said: {message} ({sent})"],
+        )
+    simple: dict[int, tuple[str, type[HalfwayError]]] = {
+        403: ("forbidden", Forbidden),
+        404: ("not found", NotFound),
+        409: ("conflict", Conflict),
+    }
+    if status in simple:
+        label, kind = simple[status]
+        return kind(f"{label}: {message}")
+    if status == 413:
+        return Invalid(f"too large: {message}")
+    if status in (400, 422):
+        details = [
+            f"{f.get('field', '?')}: {f.get('message', '')} (rule: {f.get('rule', '?')})"
+            for f in fields
+        ]
+        headline = "the server refused the input" + (":" if details else f": {message}")
+        return Invalid(headline, details, fields)
+    return ServerError(f"server error {status}: {message}")

@@ -1,0 +1,462 @@
+"""The ``halfway`` client commands: submit jobs and watch them, list and inspect jobs, read their
+history and logs, cancel them, find their TensorBoard files, run precision sweeps. They are
+built on ``service.client.Client`` (the only code here that talks HTTP) and print with
+``service.client.render``; ``register(app)`` adds them to the ``halfway`` command.
+
+Commands (each also takes ``--url`` and ``--token``, resolved as ``service.client.config``
+says)::
+
+    halfway submit SPEC.yaml|SPEC.json|- [--watch] [--dry-run] [--idempotency-key K]
+    halfway jobs [--status S] [--owner O] [--limit N] [--cursor C]
+    halfway show ID [--json]
+    halfway history ID [--after-step N] [--limit N] | --csv | --points P
+    halfway cancel ID
+    halfway logs ID [--follow]
+    halfway tensorboard ID [--artifact-dir DIR]
+    halfway sweep SPEC [--policies float32,mixed_float16,mixed_bfloat16] [--target-loss L]
+
+Exit codes are ``service.client.errors.ExitCode``:
+
+===  =======================================================================================
+0    success; for ``submit --watch``: the job succeeded
+1    the watched job failed
+2    usage: a bad option, an unreadable spec file, a bad config file or URL
+3    cannot reach the server (connection refused, unknown host, timeout)
+4    401: the token is missing or invalid
+5    403: not allowed (only the job's owner or an admin may cancel it)
+6    404: no such job
+7    409: conflict (cancel of a finished job, an Idempotency-Key reused with another spec)
+8    400/413/422: the server refused the input; each field and the rule it broke is printed
+9    the server failed (5xx) or gave an answer this client does not understand
+10   the watched job was cancelled
+130  interrupted (Ctrl-C) while watching or following; the job itself keeps running
+===  =======================================================================================
+
+Errors go to stderr, results to stdout; ``history --csv`` and ``logs`` write the server's
+bytes unchanged, so they pipe cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from enum import StrEnum
+from functools import wraps
+from typing import Annotated, BinaryIO, ParamSpec
+
+import typer
+from rich.markup import escape
+
+from service.client import render
+from service.client.api import Client, Job
+from service.client.config import DEFAULT_URL
+from service.client.errors import ExitCode, HalfwayError, UsageError
+from service.client.render import Ui, err_console
+from service.client.specfile import load_spec
+from service.vocabulary import FINISHED_STATUSES, JOB_STATUSES
+
+P = ParamSpec("P")
+POLL_SECONDS = 1.0
+# A watch survives a server restart or a database blip this long before giving up.
+WATCH_PATIENCE_SECONDS = 60.0
+PANEL = "Client (talk to a running server)"
+
+
+def report(error: HalfwayError) -> None:
+    err = err_console()
+    err.print(f"[bold red]error:[/] {escape(error.message)}")
+    for line in error.details:
+        err.print(f"  {escape(line)}")
+
+
+def handles_errors(command: Callable[P, None]) -> Callable[P, None]:
+    """Turn a ``HalfwayError`` into its message and exit code, and Ctrl-C into 130."""
+
+    @wraps(command)
+    def run(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            command(*args, **kwargs)
+        except HalfwayError as exc:
+            report(exc)
+            raise typer.Exit(exc.code) from None
+        except KeyboardInterrupt:
+            err_console().print("\ninterrupted (the job itself keeps running)")
+            raise typer.Exit(ExitCode.INTERRUPTED) from None
+        except BrokenPipeError:
+            # The reader (head, less) has gone: stop quietly, and keep Python's final flush of
+            # stdout from failing too.
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(ExitCode.OK) from None
+
+    return run
+
+
+@contextlib.contextmanager
+def connect(url: str | None, token: str | None) -> Iterator[Client]:
+    with Client(url, token) as client:
+        yield client
+
+
+def watch_job(client: Client, job: Job, ui: Ui) -> Job:
+    """Draw the job until it finishes, polling about every ``POLL_SECONDS``; an unchanged job
+    costs an empty 304 thanks to its ETag."""
+    with render.progress_bar(ui) as progress:
+        task = progress.add_task("", total=None, **render.bar_fields(job))
+        last = job
+        warned = False
+
+        def draw(fresh: Job) -> None:
+            nonlocal last
+            for line in render.changes(last, fresh):
+                progress.console.print(escape(line))
+            last = fresh
+            done = fresh["progress"]["step"] or 0
+            progress.update(
+                task,
+                completed=done,
+                total=fresh["progress"]["total_steps"],
+                **render.bar_fields(fresh),
+            )
+
+        def retrying(error: HalfwayError) -> None:
+            nonlocal warned
+            if not warned:
+                progress.console.print(
+                    f"[yellow]{escape(error.message)}; retrying for up to "
+                    f"{WATCH_PATIENCE_SECONDS:.0f} s[/]"
+                )
+                warned = True
+
+        return client.wait(
+            job["id"],
+            draw,
+            poll_seconds=POLL_SECONDS,
+            patience_seconds=WATCH_PATIENCE_SECONDS,
+            on_retry=retrying,
+        )
+
+
+def stream_csv(client: Client, job_id: int) -> None:
+    out = render.binary_stdout()
+    with client.history_csv(job_id) as chunks:
+        for chunk in chunks:
+            out.write(chunk)
+    out.flush()
+
+
+def follow_log(client: Client, job_id: int, offset: int, out: BinaryIO) -> str:
+    """Print new log bytes as they come; stop once the job has finished and no more come.
+    The log is complete before the job's status is final (the child writes it, and the
+    supervisor ends the job after the child exits), so one more read after that suffices."""
+    etag: str | None = None
+    status = ""
+    while True:
+        data, offset = client.logs(job_id, offset)
+        if data:
+            render.write_bytes(out, data)
+            continue
+        if status in FINISHED_STATUSES:
+            return status
+        job, etag = client.job_if_changed(job_id, etag)
+        if job is not None:
+            status = job["status"]
+        if status not in FINISHED_STATUSES:
+            time.sleep(POLL_SECONDS)
+
+
+UrlOption = Annotated[
+    str | None,
+    typer.Option(
+        "--url",
+        help=f"Server URL. Else HALFWAY_URL, the config file, {DEFAULT_URL}.",
+        show_default=False,
+        rich_help_panel="Connection",
+    ),
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        help="API token. Else HALFWAY_TOKEN, the config file. (A flag shows in `ps`; "
+        "prefer the environment or the config file.)",
+        show_default=False,
+        rich_help_panel="Connection",
+    ),
+]
+JobId = Annotated[
+    int, typer.Argument(metavar="ID", help="The job's id.", min=1, show_default=False)
+]
+
+
+StatusFilter = StrEnum("StatusFilter", {status: status for status in JOB_STATUSES})  # type: ignore[misc]
+
+
+@handles_errors
+def submit(
+    spec_file: Annotated[
+        str,
+        typer.Argument(
+            metavar="SPEC.yaml|SPEC.json",
+            help="The job spec, YAML or JSON; '-' reads it from stdin.",
+            show_default=False,
+        ),
+    ],
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Show live progress until the job ends.")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Validate and normalize; store nothing.")
+    ] = False,
+    idempotency_key: Annotated[
+        str | None,
+        typer.Option(
+            "--idempotency-key",
+            help="Submitting again with the same key returns the first job (a safe retry).",
+            show_default=False,
+        ),
+    ] = None,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Submit a job. With --watch, follow it to its end: exit 0 only if it succeeded."""
+    if watch and dry_run:
+        raise UsageError("--watch and --dry-run exclude each other: a dry run starts no job")
+    spec = load_spec(spec_file)
+    ui = Ui.create()
+    with connect(url, token) as client:
+        if dry_run:
+            result = client.submit(spec, dry_run=True)
+            render.print_dry_run(ui, result)
+            return
+        job, replayed = client.post_job(spec, idempotency_key=idempotency_key)
+        render.print_submitted(ui, job, replayed, idempotency_key)
+        if not watch:
+            ui.out.print(f"[dim]Follow it: halfway submit --watch, or halfway show {job['id']}[/]")
+            return
+        final = watch_job(client, job, ui)
+    raise typer.Exit(render.report_outcome(ui, final))
+
+
+@handles_errors
+def jobs(
+    status: Annotated[
+        StatusFilter | None, typer.Option(help="Only jobs in this status.", show_default=False)
+    ] = None,
+    owner: Annotated[str | None, typer.Option(help="Only this user's jobs.")] = None,
+    limit: Annotated[int, typer.Option(help="How many (newest first).", min=1, max=200)] = 20,
+    cursor: Annotated[
+        str | None, typer.Option(help="Older jobs: the cursor a previous page printed.")
+    ] = None,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """List jobs, newest first."""
+    ui = Ui.create()
+    with connect(url, token) as client:
+        page = client.jobs(
+            status=None if status is None else str(status), owner=owner, limit=limit, cursor=cursor
+        )
+    if not page["items"]:
+        ui.out.print("No jobs.")
+        return
+    ui.out.print(render.jobs_table(page))
+    if page.get("next_cursor"):
+        ui.out.print(f"[dim]Older jobs: halfway jobs --cursor {page['next_cursor']}[/]")
+
+
+@handles_errors
+def show(
+    job_id: JobId,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the API's JSON.")] = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Show a job: status, errors, warnings, notes, summary, progress and its spec."""
+    with connect(url, token) as client:
+        job = client.job(job_id)
+    if as_json:
+        typer.echo(json.dumps(job, indent=2))
+        return
+    Ui.create().out.print(render.job_details(job))
+
+
+@handles_errors
+def history(
+    job_id: JobId,
+    as_csv: Annotated[
+        bool, typer.Option("--csv", help="Every row as CSV (streamed) to stdout.")
+    ] = False,
+    points: Annotated[
+        int | None,
+        typer.Option(
+            help="Summarize in at most P buckets (min/max/last loss and scale, overflows).",
+            min=1,
+            max=5000,
+            show_default=False,
+        ),
+    ] = None,
+    after_step: Annotated[
+        int | None,
+        typer.Option(help="Rows after this step (default: from the start).", min=-1),
+    ] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(help="Rows to print (default 50).", min=1, max=10_000),
+    ] = None,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """A job's per-step history: loss, loss scale and overflows."""
+    if as_csv and points is not None:
+        raise UsageError("choose one of --csv and --points")
+    if (as_csv or points is not None) and (after_step is not None or limit is not None):
+        raise UsageError("--after-step and --limit page raw rows; not with --csv or --points")
+    ui = Ui.create()
+    with connect(url, token) as client:
+        if as_csv:
+            stream_csv(client, job_id)
+            return
+        if points is not None:
+            page = client.buckets(job_id, points)
+            if not page["buckets"]:
+                ui.out.print(f"Job {job_id} has no history yet ({page['status']}).")
+                return
+            ui.out.print(render.buckets_table(page))
+            return
+        after = -1 if after_step is None else after_step
+        page = client.history_page(job_id, after_step=after, limit=limit or 50)
+    if not page["items"]:
+        ui.out.print(f"Job {job_id} has no history after step {after} ({page['status']}).")
+        return
+    ui.out.print(render.rows_table(job_id, page))
+    if page["has_more"]:
+        ui.out.print(
+            f"[dim]More: halfway history {job_id} --after-step {page['next_after_step']}[/]"
+        )
+
+
+@handles_errors
+def cancel(job_id: JobId, url: UrlOption = None, token: TokenOption = None) -> None:
+    """Cancel a job (yours, or any job as an admin)."""
+    with connect(url, token) as client:
+        job = client.cancel(job_id)
+    out = Ui.create().out
+    if job["status"] == "cancelled":
+        out.print(f"Job {job_id} cancelled.")
+    else:
+        out.print(
+            f"Cancel requested: job {job_id} is {job['status']}; its worker stops it after the "
+            "current step and keeps the steps so far."
+        )
+
+
+@handles_errors
+def logs(
+    job_id: JobId,
+    follow: Annotated[
+        bool,
+        typer.Option("--follow", "-f", help="Keep printing new lines until the job ends."),
+    ] = False,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Print a job's training log (its last 64 KiB), and with --follow what comes next."""
+    out = render.binary_stdout()
+    ui = Ui.create()
+    with connect(url, token) as client:
+        data, offset = client.logs(job_id, None)
+        render.write_bytes(out, data)
+        if not follow:
+            if not data:
+                ui.err.print(f"[dim]Job {job_id} has no log yet.[/]")
+            return
+        status = follow_log(client, job_id, offset, out)
+    ui.err.print(f"[dim]Job {job_id} {status}.[/]")
+
+
+@handles_errors
+def tensorboard(
+    job_id: JobId,
+    artifact_dir: Annotated[
+        str | None,
+        typer.Option(
+            help="The server's artifact directory, if not HALFWAY_ARTIFACT_DIR or "
+            "HALFWAY_HOME/artifacts (.halfway/artifacts).",
+            show_default=False,
+        ),
+    ] = None,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Print how to open TensorBoard on a job's event files."""
+    with connect(url, token) as client:
+        job = client.job(job_id)
+        artifacts = client.artifacts(job_id)
+    directory = render.server_artifact_dir(artifact_dir, os.environ)
+    render.print_tensorboard(Ui.create(), job, artifacts, directory, client.url)
+
+
+@handles_errors
+def sweep(
+    spec_file: Annotated[
+        str,
+        typer.Argument(
+            metavar="SPEC.yaml|SPEC.json",
+            help="A job spec (the base), or a sweep spec with 'base' and 'variants'.",
+            show_default=False,
+        ),
+    ],
+    policies: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated policies, one variant each.", show_default=False),
+    ] = None,
+    target_loss: Annotated[
+        float | None,
+        typer.Option(help="Measure each variant's time to this loss.", show_default=False),
+    ] = None,
+    wait: Annotated[
+        bool, typer.Option("--wait/--no-wait", help="Wait for every variant and print the table.")
+    ] = True,
+    url: UrlOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Run one job per precision variant of a spec and compare them side by side."""
+    spec = load_spec(spec_file)
+    chosen = [p.strip() for p in policies.split(",") if p.strip()] if policies else None
+    ui = Ui.create()
+    with connect(url, token) as client:
+        created = client.sweep(spec, policies=chosen, target_loss=target_loss, wait=False)
+        ids = ", ".join(str(v["job_id"]) for v in created["variants"])
+        ui.out.print(f"sweep {created['id']}: {len(created['variants'])} jobs ({ids})")
+        table = created
+        while wait and not table["done"]:
+            time.sleep(2.0)
+            table = client.get_sweep(created["id"])
+    ui.out.print(render.sweep_table(table))
+    if wait and any(v["status"] != "succeeded" for v in table["variants"]):
+        raise typer.Exit(ExitCode.JOB_FAILED)
+
+
+COMMANDS: tuple[tuple[str, Callable[..., None]], ...] = (
+    ("submit", submit),
+    ("jobs", jobs),
+    ("show", show),
+    ("history", history),
+    ("cancel", cancel),
+    ("logs", logs),
+    ("tensorboard", tensorboard),
+    ("sweep", sweep),
+)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the client commands to ``app`` (once, however often this is called)."""
+    present = {info.callback for info in app.registered_commands}
+    for name, command in COMMANDS:
+        if command not in present:
+            app.command(name, rich_help_panel=PANEL)(command)

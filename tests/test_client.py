@@ -1,0 +1,194 @@
+"""``service.client.Client``, the public Python API, against a live server (the real app under
+uvicorn, SQLite and PostgreSQL) and, where a job must train, a real worker."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from service.client import (
+    Client,
+    Conflict,
+    ExitCode,
+    Forbidden,
+    Invalid,
+    NotFound,
+    Unauthorized,
+    Unreachable,
+)
+from service.history import StepRecord
+from tests.live import Live, free_port
+from tests.test_client_cli import TINY, finish_directly, records_with_overflows
+from workers.supervisor import Supervisor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def client(live: Live, token: str | None = None) -> Client:
+    return Client(live.url, token or live.team.alice, env={})
+
+
+def endpoint_rows(live: Live, job_id: int) -> list[dict[str, Any]]:
+    """Every row as the history endpoint serves it, paged with its cursor."""
+    rows: list[dict[str, Any]] = []
+    after = -1
+    while True:
+        page = live.api("GET", f"/v1/jobs/{job_id}/history?after_step={after}&limit=7")
+        rows += page["items"]
+        if not page["has_more"]:
+            return rows
+        after = page["next_after_step"]
+
+
+def assert_frame_equals_rows(frame: pd.DataFrame, rows: list[dict[str, Any]]) -> None:
+    assert list(frame.columns) == ["step", "epoch", "loss", "loss_scale", "finite"]
+    assert len(frame) == len(rows)
+    flags = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+    for got, want in zip(frame.itertuples(index=False), rows, strict=True):
+        loss = want["loss"] if want["loss"] is not None else flags[want["loss_nonfinite"]]
+        assert (got.step, got.epoch, got.loss_scale, got.finite) == (
+            want["step"],
+            want["epoch"],
+            want["loss_scale"],
+            want["finite"],
+        )
+        assert (math.isnan(got.loss) and math.isnan(loss)) or got.loss == loss
+
+
+def test_submit_dry_run_and_an_idempotent_replay(live: Live) -> None:
+    with client(live) as hw:
+        checked = hw.submit(TINY, dry_run=True)
+        assert checked["spec"]["precision"]["policy"] == "mixed_float16"
+        assert hw.jobs()["items"] == []  # a dry run stores nothing
+        first = hw.submit(TINY, idempotency_key="k-1")
+        again, replayed = hw.post_job(TINY, idempotency_key="k-1")
+        assert replayed and again["id"] == first["id"]
+        assert first["status"] == "queued" and first["owner"] == "alice"
+
+
+def test_job_jobs_filters_and_cursor(live: Live) -> None:
+    ids = [live.submit(TINY), live.submit(TINY), live.submit(TINY, live.team.bob)]
+    with client(live) as hw:
+        assert hw.job(ids[0])["id"] == ids[0]
+        everyone = hw.jobs()
+        assert [j["id"] for j in everyone["items"]] == ids[::-1]
+        assert [j["owner"] for j in hw.jobs(owner="bob")["items"]] == ["bob"]
+        first = hw.jobs(limit=2)
+        assert [j["id"] for j in first["items"]] == [ids[2], ids[1]]
+        rest = hw.jobs(limit=2, cursor=first["next_cursor"])
+        assert [j["id"] for j in rest["items"]] == [ids[0]]
+        hw.cancel(ids[0])
+        assert [j["id"] for j in hw.jobs(status="cancelled")["items"]] == [ids[0]]
+
+
+def test_each_failure_is_its_typed_exception_with_the_cli_exit_code(live: Live) -> None:
+    job_id = live.submit(TINY)
+    with pytest.raises(Unauthorized) as unauthorized:
+        client(live, "hw_not-a-token").job(job_id)
+    assert unauthorized.value.code == ExitCode.UNAUTHORIZED
+    with pytest.raises(Forbidden) as forbidden:
+        client(live, live.team.bob).cancel(job_id)
+    assert forbidden.value.code == ExitCode.FORBIDDEN
+    with pytest.raises(NotFound) as missing:
+        client(live).job(job_id + 1000)
+    assert missing.value.code == ExitCode.NOT_FOUND
+    hw = client(live)
+    hw.submit(TINY, idempotency_key="once")
+    with pytest.raises(Conflict) as conflict:
+        hw.submit({**TINY, "name": "another"}, idempotency_key="once")
+    assert conflict.value.code == ExitCode.CONFLICT
+    bad = {**TINY, "training": {"epochs": 0, "batch_size": 32}}
+    with pytest.raises(Invalid) as invalid:
+        hw.submit(bad)
+    assert invalid.value.code == ExitCode.INVALID
+    assert [f["field"] for f in invalid.value.fields] == ["training.epochs"]
+    with pytest.raises(Unreachable) as down:
+        Client(f"http://127.0.0.1:{free_port()}", "hw_x", env={}).job(1)
+    assert down.value.code == ExitCode.UNREACHABLE and "cannot reach Halfway" in down.value.message
+
+
+def test_history_of_a_finished_job_has_every_row_with_nan_and_inf_as_floats(live: Live) -> None:
+    records = records_with_overflows(30)
+    records[9] = StepRecord(9, 0, math.inf, records[9].loss_scale, True)
+    records[10] = StepRecord(10, 0, -math.inf, records[10].loss_scale, True)
+    job_id = live.submit(TINY)
+    finish_directly(live, job_id, records)
+    frame = client(live).history(job_id)
+    assert_frame_equals_rows(frame, endpoint_rows(live, job_id))
+    assert math.isnan(frame.loss[7]) and frame.loss[9] == math.inf and frame.loss[10] == -math.inf
+    assert frame.finite.tolist() == [r.finite for r in records]
+    assert str(frame.step.dtype) == "int64" and str(frame.finite.dtype) == "bool"
+
+
+def test_buckets_and_scale_events(live: Live) -> None:
+    job_id = live.submit(TINY)
+    finish_directly(live, job_id, records_with_overflows(40))
+    with client(live) as hw:
+        page = hw.buckets(job_id, 4)
+        assert sum(b["count"] for b in page["buckets"]) == 40
+        assert sum(b["overflow_count"] for b in page["buckets"]) == 2
+        events = hw.scale_events(job_id)
+    # Overflows at steps 5 and 6: steps 6 and 7 are the first to use each halved scale.
+    assert [(e["step"], e["reason"], e["new_scale"]) for e in events] == [
+        (6, "overflow", 512.0),
+        (7, "overflow", 256.0),
+    ]
+
+
+@pytest.mark.keras
+def test_wait_reports_progress_and_history_equals_the_endpoint_for_a_trained_job(
+    live: Live, worker: Supervisor
+) -> None:
+    spec = {**TINY, "faults": {"nonfinite_at_steps": [3, 4]}}
+    seen: list[int | None] = []
+    with client(live) as hw:
+        job = hw.submit(spec)
+        final = hw.wait(job["id"], lambda j: seen.append(j["progress"]["step"]), poll_seconds=0.2)
+        assert final["status"] == "succeeded", final["error"]
+        frame = hw.history(job["id"])
+    assert seen and seen[-1] == final["progress"]["step"]
+    assert frame.step.tolist() == list(range(final["progress"]["step"]))
+    assert frame.index[~frame.finite].tolist() == [3, 4]
+    assert_frame_equals_rows(frame, endpoint_rows(live, job["id"]))
+
+
+@pytest.mark.keras
+def test_a_sweep_waits_for_every_variant_and_returns_the_table(
+    live: Live, worker: Supervisor
+) -> None:
+    with client(live) as hw:
+        table = hw.sweep(TINY, policies=["float32", "mixed_float16"], poll_seconds=0.3)
+    assert table["done"]
+    assert [v["status"] for v in table["variants"]] == ["succeeded", "succeeded"], table
+    assert [v["policy"] for v in table["variants"]] == ["float32", "mixed_float16"]
+    assert all(math.isfinite(v["final_loss"]) for v in table["variants"]), table
+    assert len({v["job_id"] for v in table["variants"]}) == 2
+
+
+def test_history_without_pandas_says_how_to_install_it(live: Live, tmp_path: Path) -> None:
+    # A fresh interpreter where importing pandas fails, as on a machine without the extra.
+    blocker = tmp_path / "pandas.py"
+    blocker.write_text("raise ImportError('no pandas here')\n")
+    script = (
+        "import sys\n"
+        "from service.client import Client\n"
+        "try:\n"
+        f"    Client({live.url!r}, {live.team.alice!r}, env={{}}).history(1)\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "pip install 'halfway[client]'" in done.stdout, done.stderr
