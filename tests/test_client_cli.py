@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner, Result
 
 from service import history, jobs
 from service.cli import app as cli_app
-from service.client import Client, ExitCode, UsageError, resolve_target
+from service.client import Client, ExitCode, UsageError, render, resolve_target
 from service.client import commands as client_commands
 from service.history import StepRecord
 from service.models import Job, utcnow
@@ -244,6 +245,32 @@ def test_show_prints_status_error_attempts_warnings_notes_summary_and_spec(live:
     assert raw.exit_code == 0, raw.output
     job = json.loads(raw.stdout)
     assert job["id"] == job_id and job["error"] == "RuntimeError: boom"
+
+
+def test_show_prints_metrics_as_labelled_numbers(live: Live) -> None:
+    job_id = live.submit(TINY)
+    finish_directly(live, job_id, records_with_overflows(12))
+    with live.db.write() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        job.metrics = {
+            "last_epoch": {"epoch": 1, "accuracy": 0.875},
+            "timing": {"median_step_seconds": 0.0015, "peak_memory_bytes": 3 * 2**20},
+        }
+    out = cli(live, "show", str(job_id)).stdout
+    assert table_line(out, "last_epoch: accuracy") == "0.875"
+    assert table_line(out, "last_epoch: epoch") == "2"
+    assert table_line(out, "timing: median_step_seconds") == "0.0015 s"
+    assert table_line(out, "timing: peak_memory_bytes") == "3.0 MiB"
+    assert "{" not in out
+
+
+def table_line(output: str, label: str) -> str:
+    """The value printed after ``label`` on a line of ``halfway show``'s grid."""
+    for line in output.splitlines():
+        if line.strip().startswith(label + " "):
+            return line.strip()[len(label) :].strip()
+    raise AssertionError(f"no line {label!r} in:\n{output}")
 
 
 def test_polling_a_job_that_has_not_changed_costs_an_empty_304(live: Live) -> None:
@@ -536,3 +563,51 @@ def test_resolve_target_defaults_and_refuses_a_url_without_scheme(tmp_path: Path
         resolve_target(None, None, {**empty, "HALFWAY_URL": "localhost:8000"})
     assert refused.value.code == ExitCode.USAGE
     assert "(from HALFWAY_URL)" in refused.value.message
+
+
+def sweep_result(name: str) -> dict[str, Any]:
+    def variant(i: int, policy: str) -> dict[str, Any]:
+        return {
+            "job_id": i + 1,
+            "name": f"{name}/{policy}",
+            "status": "succeeded",
+            "error": None,
+            "policy": policy,
+            "loss_scale_mode": "dynamic",
+            "examples_per_second": 21345.678 / (i + 1),
+            "median_step_seconds": 0.0015 * (i + 1),
+            "speedup_vs_float32": 1.0 / (i + 1),
+            "time_to_target_seconds": 12.5,
+            "step_to_target": 1500,
+            "final_loss": 0.123456,
+            "final_metrics": {"val_loss": 0.2345, "val_accuracy": 0.9123},
+            "overflow_count": 3,
+            "skipped_steps": 3,
+            "final_loss_scale": 32768.0,
+            "min_loss_scale": 16384.0,
+            "peak_memory_bytes": 123 * 2**20,
+        }
+
+    policies = ("float32", "mixed_float16", "mixed_bfloat16")
+    return {
+        "id": 7,
+        "name": name,
+        "done": True,
+        "variants": [variant(i, p) for i, p in enumerate(policies)],
+    }
+
+
+@pytest.mark.parametrize("width", [100, 250])
+def test_sweep_table_shows_each_variants_own_name_and_fits_the_terminal(width: int) -> None:
+    console = Console(width=width, record=True)
+    console.print(render.sweep_table(sweep_result("which-precision"), width))
+    out = console.export_text()
+    assert max(len(line) for line in out.splitlines()) <= width
+    assert "…" not in out
+    for policy in ("float32", "mixed_float16", "mixed_bfloat16"):
+        assert table_row(out, policy)[0] == policy
+    assert "vs float32" in out and "0.50x" in out
+    if width == 100:
+        assert "hidden to fit:" in out and "peak mem" in out.split("hidden to fit:")[1]
+    else:
+        assert "hidden to fit" not in out and "123 MiB" in out

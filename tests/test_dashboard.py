@@ -335,7 +335,10 @@ def test_charts_render_and_mark_every_overflow_step(
         name="overflowing",
         status="failed",
         error="guard: too many overflows",
-        metrics={"accuracy": 0.875},
+        metrics={
+            "last_epoch": {"epoch": 1, "accuracy": 0.875},
+            "timing": {"examples_per_second": 21000.25, "peak_memory_bytes": 3 * 2**20},
+        },
         steps_per_second=123.4,
     )
     # Step 51 overflows with a NaN loss: it still gets a marker on the loss chart.
@@ -358,7 +361,17 @@ def test_charts_render_and_mark_every_overflow_step(
     expect(summary).to_contain_text("Steps/s")
     expect(summary).to_contain_text("123.4")
     expect(dash.page.locator("#job-problems pre.error")).to_have_text("guard: too many overflows")
-    expect(dash.page.locator("#job-metrics")).to_contain_text("accuracy")
+    # Metrics are labelled numbers, not JSON objects.
+    metrics = dash.page.locator("#job-metrics")
+    expect(metrics.locator("dt")).to_have_text(
+        [
+            "last_epoch · epoch",
+            "last_epoch · accuracy",
+            "timing · examples_per_second",
+            "timing · peak_memory_bytes",
+        ]
+    )
+    expect(metrics.locator("dd")).to_have_text(["2", "0.875", "21000 /s", "3.0 MiB"])
     expect(dash.page.locator("#job-status")).to_have_text("failed")
 
 

@@ -58,6 +58,7 @@ OPERATIONS = [
     "GET /v1/history",
     "GET /v1/policies",
     "GET /healthz",
+    "GET /v1/vocabulary",
     "GET /v1/jobs/{job_id}/artifacts",
     "GET /v1/jobs/{job_id}/artifacts/{name}",
     "GET /v1/jobs/{job_id}/logs",

@@ -9,8 +9,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
 
 from service.db import Database
+from service.models import Job
 from service.settings import Settings
 from tests.conftest import Api, Team
 from tests.test_claims import claim, make_jobs
@@ -224,3 +227,14 @@ def test_metrics_move_when_jobs_run(api: Api, db: Database, settings: Settings) 
         "halfway_history_write_seconds_count", 0
     )
     assert any(k.startswith("halfway_http_request_duration_seconds_count") for k in after)
+
+
+def test_the_vocabulary_is_public_and_is_what_the_database_accepts(api: Api, db: Database) -> None:
+    words = api.as_user(None).get("/v1/vocabulary").json()
+    assert set(words["finished_statuses"]) < set(words["job_statuses"])
+    (job_id,) = make_jobs(db, 1, owner="alice")
+    for status in words["job_statuses"]:
+        with db.write() as session:
+            session.execute(update(Job).where(Job.id == job_id).values(status=status))
+    with pytest.raises(IntegrityError), db.write() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(status="paused"))

@@ -437,7 +437,7 @@ def sweep(
         while wait and not table["done"]:
             time.sleep(2.0)
             table = client.get_sweep(created["id"])
-    ui.out.print(render.sweep_table(table))
+    ui.out.print(render.sweep_table(table, ui.out.width))
     if wait and any(v["status"] != "succeeded" for v in table["variants"]):
         raise typer.Exit(ExitCode.JOB_FAILED)
 

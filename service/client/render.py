@@ -311,6 +311,33 @@ def spec_lines(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
     return lines
 
 
+def metric_lines(metrics: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """The summary's metrics as labelled numbers: groups (last_epoch, timing) flattened into
+    "last_epoch: accuracy", each number with the unit its name gives."""
+    lines: list[tuple[str, str]] = []
+    for key, value in metrics.items():
+        label = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            lines += metric_lines(value, f"{label}: ")
+        else:
+            lines.append((label, fmt_metric(key, value)))
+    return lines
+
+
+def fmt_metric(key: str, value: Any) -> str:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return "-" if value is None else str(value)
+    if key.endswith("_bytes"):
+        return f"{value / 2**20:.1f} MiB"
+    if key.endswith("_per_second"):
+        return f"{fmt_number(value)} /s"
+    if key.endswith("_seconds"):
+        return f"{fmt_number(value)} s"
+    if key == "epoch":
+        return str(int(value) + 1)
+    return fmt_number(value)
+
+
 def job_details(job: Job) -> Table:
     summary, grid = job["summary"], _grid()
     grid.add_row("job", Text.assemble((f"{job['id']} ", "bold"), job["name"]))
@@ -355,8 +382,8 @@ def job_details(job: Job) -> Table:
         grid.add_row("checkpoint", f"step {summary['checkpoint_step']}")
     if summary.get("guard_warning"):
         grid.add_row("guard", Text(summary["guard_warning"], style="yellow"))
-    for key, value in (summary.get("metrics") or {}).items():
-        grid.add_row(f"metrics.{key}", Text(json.dumps(value)))
+    for label, value in metric_lines(summary.get("metrics") or {}):
+        grid.add_row(label, value)
     for warning in job.get("warnings", []):
         grid.add_row("warning", Text(warning, style="yellow"))
     for note in job.get("notes", []):
@@ -470,55 +497,79 @@ def print_tensorboard(
     )
 
 
-def sweep_table(sweep: Mapping[str, Any]) -> Table:
-    """The side-by-side comparison: speed, convergence and loss-scale behaviour per variant."""
-    table = Table(title=f"sweep {sweep['id']}: {escape(sweep['name'])}", header_style="bold")
-    for column in (
-        "variant",
-        "status",
-        "examples/s",
-        "step ms",
-        "vs float32",
-        "to target",
-        "final loss",
-        "val",
-        "overflows",
-        "skipped",
-        "scale (final/min)",
-        "peak mem",
-    ):
-        table.add_column(
-            column, justify="left" if column in ("variant", "status", "val") else "right"
-        )
-    for v in sweep["variants"]:
-        metrics = v["final_metrics"]
-        val = ", ".join(
-            f"{k} {fmt_number(x, 4)}" for k, x in metrics.items() if k.startswith("val_")
-        )
-        target = (
-            f"{v['time_to_target_seconds']:.1f} s (step {v['step_to_target']})"
-            if v["time_to_target_seconds"] is not None
-            else "-"
-        )
-        step_ms = v["median_step_seconds"]
-        scale = (
-            f"{fmt_number(v['final_loss_scale'])} / {fmt_number(v['min_loss_scale'])}"
-            if v["final_loss_scale"] is not None
-            else "-"
-        )
-        memory = v["peak_memory_bytes"]
-        table.add_row(
-            escape(v["name"]),
-            styled_status(v["status"]),
-            fmt_number(v["examples_per_second"], 6),
-            f"{step_ms * 1000:.2f}" if step_ms is not None else "-",
-            f"{v['speedup_vs_float32']:.2f}x" if v["speedup_vs_float32"] is not None else "-",
-            target,
-            fmt_number(v["final_loss"]),
-            escape(val) or "-",
-            str(v["overflow_count"]),
-            str(v["skipped_steps"]),
-            scale,
-            f"{memory / 2**20:.0f} MiB" if memory is not None else "-",
-        )
+# Dropped first, in this order, when the table does not fit the terminal.
+SWEEP_SECONDARY = ("peak mem", "scale (final/min)", "val", "step ms", "skipped")
+
+
+def sweep_table(sweep: Mapping[str, Any], width: int | None = None) -> Table:
+    """The side-by-side comparison: speed, convergence and loss-scale behaviour per variant.
+    Within ``width`` columns, secondary columns are dropped (named in the caption) before any
+    cell is cut, and each row shows the variant's own name, not the sweep's prefix."""
+    rows = [_sweep_cells(sweep, v) for v in sweep["variants"]]
+    dropped: list[str] = []
+    table = _sweep_grid(sweep, rows, dropped)
+    while width is not None and _width(table) > width and len(dropped) < len(SWEEP_SECONDARY):
+        dropped.append(SWEEP_SECONDARY[len(dropped)])
+        table = _sweep_grid(sweep, rows, dropped)
     return table
+
+
+def _width(table: Table) -> int:
+    console = Console(width=10_000)
+    return console.measure(table).maximum
+
+
+def _sweep_grid(
+    sweep: Mapping[str, Any], rows: list[dict[str, Text | str]], dropped: list[str]
+) -> Table:
+    caption = f"hidden to fit: {', '.join(dropped)} (widen the terminal)" if dropped else None
+    table = Table(
+        title=f"sweep {sweep['id']}: {escape(sweep['name'])}",
+        header_style="bold",
+        caption=caption,
+    )
+    columns = [c for c in rows[0] if c not in dropped] if rows else []
+    for column in columns:
+        table.add_column(
+            column,
+            justify="left" if column in ("variant", "status", "val") else "right",
+            no_wrap=column != "val",
+        )
+    for cells in rows:
+        table.add_row(*(cells[c] for c in columns))
+    return table
+
+
+def _sweep_cells(sweep: Mapping[str, Any], v: Mapping[str, Any]) -> dict[str, Text | str]:
+    metrics = v["final_metrics"]
+    val = ", ".join(f"{k} {fmt_number(x, 4)}" for k, x in metrics.items() if k.startswith("val_"))
+    target = (
+        f"{v['time_to_target_seconds']:.1f} s @{v['step_to_target']}"
+        if v["time_to_target_seconds"] is not None
+        else "-"
+    )
+    step_ms = v["median_step_seconds"]
+    scale = (
+        f"{fmt_number(v['final_loss_scale'])} / {fmt_number(v['min_loss_scale'])}"
+        if v["final_loss_scale"] is not None
+        else "-"
+    )
+    memory = v["peak_memory_bytes"]
+    # Variant jobs are named "<sweep>/<variant>"; the sweep's name is in the title already.
+    name = v["name"].removeprefix(f"{sweep['name']}/")
+    return {
+        "variant": Text(name),
+        "status": styled_status(v["status"]),
+        "examples/s": fmt_number(v["examples_per_second"], 6),
+        "step ms": f"{step_ms * 1000:.2f}" if step_ms is not None else "-",
+        "vs float32": (
+            f"{v['speedup_vs_float32']:.2f}x" if v["speedup_vs_float32"] is not None else "-"
+        ),
+        "to target (step)": target,
+        "final loss": fmt_number(v["final_loss"]),
+        "val": Text(val or "-"),
+        "overflows": str(v["overflow_count"]),
+        "skipped": str(v["skipped_steps"]),
+        "scale (final/min)": scale,
+        "peak mem": f"{memory / 2**20:.0f} MiB" if memory is not None else "-",
+    }

@@ -8,6 +8,7 @@ from sqlalchemy import text
 from service.deps import DbDep, PrincipalDep
 from service.policies import POLICIES
 from service.schemas import PolicyOut, error_responses
+from service.vocabulary import vocabulary
 
 router = APIRouter(tags=["meta"])
 
@@ -24,6 +25,13 @@ def list_policies(_: PrincipalDep) -> list[PolicyOut]:
         )
         for p in POLICIES.values()
     ]
+
+
+@router.get("/v1/vocabulary")
+async def get_vocabulary() -> dict[str, list[str]]:
+    """The words clients share with the server (job statuses, which of them are final, why a
+    loss scale changes): public, so the dashboard can read them before it has a token."""
+    return vocabulary()
 
 
 @router.get("/healthz")

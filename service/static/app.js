@@ -26,7 +26,8 @@
     maxCompare: 10,
   };
   const TOKEN_KEY = "halfway.token";
-  const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
+  // Job statuses come from the server (GET /v1/vocabulary), defined once in service/vocabulary.py.
+  let STATUSES = [];
   const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b",
     "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#d62728"];
   const BLUE = "#1f6feb";
@@ -273,6 +274,7 @@
   }
 
   async function refresh() {
+    if (!STATUSES.length) STATUSES = (await api("/v1/vocabulary")).body.job_statuses;
     await refreshJobs();
     if (selection.id !== null) await refreshSelected();
     if (comparison.ids.length >= 2) await refreshCompare();
@@ -857,16 +859,37 @@
   }
 
   function renderMetrics(metrics) {
-    const entries = Object.entries(metrics);
+    const entries = metricEntries(metrics);
     const dl = $("#job-metrics");
     if (!entries.length) {
       dl.replaceChildren(el("dd", { className: "muted", text: "none yet" }));
       return;
     }
-    dl.replaceChildren(...entries.flatMap(([key, value]) => [
-      el("dt", { text: key }),
-      el("dd", { text: typeof value === "number" ? fmtNumber(value) : JSON.stringify(value) }),
+    dl.replaceChildren(...entries.flatMap(([label, value]) => [
+      el("dt", { text: label }),
+      el("dd", { text: value }),
     ]));
+  }
+
+  /** The summary's metrics as [label, text] pairs: groups (last_epoch, timing) flattened into
+   * "last_epoch · accuracy", numbers formatted with the unit their name gives. */
+  function metricEntries(metrics, prefix) {
+    return Object.entries(metrics || {}).flatMap(([key, value]) => {
+      const label = (prefix ? prefix + " · " : "") + key; // the names Keras and the user gave
+      if (value !== null && typeof value === "object" && !Array.isArray(value)) {
+        return metricEntries(value, label);
+      }
+      return [[label, fmtMetric(key, value)]];
+    });
+  }
+
+  function fmtMetric(key, value) {
+    if (typeof value !== "number") return value === null ? "–" : String(value);
+    if (key.endsWith("_bytes")) return (value / 2 ** 20).toFixed(1) + " MiB";
+    if (key.endsWith("_per_second")) return fmtNumber(value) + " /s";
+    if (key.endsWith("_seconds")) return fmtNumber(value) + " s";
+    if (key === "epoch") return fmtInt(value + 1);
+    return fmtNumber(value);
   }
 
   // ---- Comparison -----------------------------------------------------------------------------
