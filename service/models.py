@@ -185,8 +185,9 @@ class Step(Base):
     __tablename__ = "step"
     __table_args__ = ({"sqlite_with_rowid": False},)
 
-    # No foreign key to job: PostgreSQL's per-row check cost 3.5x the COPY itself (see
-    # migration 0002). Only the fenced write path, holding the job row, inserts steps.
+    # No foreign key to job: PostgreSQL's per-row trigger check cost several times the COPY
+    # itself (migration 0002; the README has the figures). Only the fenced write path,
+    # holding the job row, inserts steps.
     job_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     step: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     epoch: Mapped[int] = mapped_column(Integer)

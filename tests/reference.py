@@ -1,5 +1,8 @@
-"""A plain-Python statement of the loss-scale rules (DESIGN.md section 3), to check the
-recorded sequences against. Deliberately written from the rules, not from the scaler's code."""
+"""A plain-Python statement of the loss-scale rules, as README.md's "Loss scaling" section
+states them (with the default knobs: stock Keras 3 ``LossScaleOptimizer``; beyond them the
+floor, cap and DeepSpeed-style hysteresis). It replays a sequence of finite/non-finite steps
+and gives the scale each step must have used, to check recorded histories against. Written
+from the rules, not from the scaler's code."""
 
 from __future__ import annotations
 
