@@ -18,7 +18,7 @@ from typer.testing import CliRunner, Result
 
 from service import history, jobs
 from service.cli import app as cli_app
-from service.client import Client, ExitCode, UsageError, render, resolve_target
+from service.client import Client, ExitCode, UsageError, resolve_target, tables
 from service.client import commands as client_commands
 from service.history import StepRecord
 from service.models import Job, utcnow
@@ -600,7 +600,7 @@ def sweep_result(name: str) -> dict[str, Any]:
 @pytest.mark.parametrize("width", [100, 250])
 def test_sweep_table_shows_each_variants_own_name_and_fits_the_terminal(width: int) -> None:
     console = Console(width=width, record=True)
-    console.print(render.sweep_table(sweep_result("which-precision"), width))
+    console.print(tables.sweep_table(sweep_result("which-precision"), width))
     out = console.export_text()
     assert max(len(line) for line in out.splitlines()) <= width
     assert "…" not in out

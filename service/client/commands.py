@@ -51,7 +51,7 @@ from typing import Annotated, BinaryIO, ParamSpec
 import typer
 from rich.markup import escape
 
-from service.client import render
+from service.client import render, tables
 from service.client.api import Client, Job
 from service.client.config import DEFAULT_URL
 from service.client.errors import ExitCode, HalfwayError, UsageError
@@ -264,7 +264,7 @@ def jobs(
     if not page["items"]:
         ui.out.print("No jobs.")
         return
-    ui.out.print(render.jobs_table(page))
+    ui.out.print(tables.jobs_table(page))
     if page.get("next_cursor"):
         ui.out.print(f"[dim]Older jobs: halfway jobs --cursor {page['next_cursor']}[/]")
 
@@ -282,7 +282,7 @@ def show(
     if as_json:
         typer.echo(json.dumps(job, indent=2))
         return
-    Ui.create().out.print(render.job_details(job))
+    Ui.create().out.print(tables.job_details(job))
 
 
 @handles_errors
@@ -326,14 +326,14 @@ def history(
             if not page["buckets"]:
                 ui.out.print(f"Job {job_id} has no history yet ({page['status']}).")
                 return
-            ui.out.print(render.buckets_table(page))
+            ui.out.print(tables.buckets_table(page))
             return
         after = -1 if after_step is None else after_step
         page = client.history_page(job_id, after_step=after, limit=limit or 50)
     if not page["items"]:
         ui.out.print(f"Job {job_id} has no history after step {after} ({page['status']}).")
         return
-    ui.out.print(render.rows_table(job_id, page))
+    ui.out.print(tables.rows_table(job_id, page))
     if page["has_more"]:
         ui.out.print(
             f"[dim]More: halfway history {job_id} --after-step {page['next_after_step']}[/]"
@@ -437,7 +437,7 @@ def sweep(
         while wait and not table["done"]:
             time.sleep(2.0)
             table = client.get_sweep(created["id"])
-    ui.out.print(render.sweep_table(table, ui.out.width))
+    ui.out.print(tables.sweep_table(table, ui.out.width))
     if wait and any(v["status"] != "succeeded" for v in table["variants"]):
         raise typer.Exit(ExitCode.JOB_FAILED)
 
