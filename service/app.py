@@ -4,6 +4,7 @@ here touches a database or TensorFlow at import time."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,6 +31,9 @@ log = logging.getLogger("halfway.api")
 # Pydantic puts a discriminated union's tag in an error's location (data.synthetic.samples);
 # users wrote data.samples, so the tag is dropped.
 _UNION_TAGS = {"mlp", "cnn", "transformer", "keras", "synthetic", "npz"}
+# A plain union (``bool | Literal["auto"]``) puts the member's type in the location
+# (training.jit_compile.bool); the field is what the user wrote.
+_UNION_MEMBER = re.compile(r"^(bool|int|float|str|none|(literal|list|dict|function-\w+)\[.*\])$")
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
@@ -39,6 +43,8 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     cleaned: list[str] = []
     for i, part in enumerate(parts):
         if i > 0 and parts[i - 1] in ("model", "data") and part in _UNION_TAGS:
+            continue
+        if i > 0 and isinstance(part, str) and _UNION_MEMBER.match(part):
             continue
         cleaned.append(str(part))
     return ".".join(cleaned)
@@ -153,6 +159,31 @@ def _unparseable(exc: StarletteHTTPException) -> str:
     return str(exc.detail)
 
 
+def allowed_methods(app: FastAPI, path: str, starlette_allow: str | None) -> str:
+    """Every method the path answers. Starlette's own 405 names only the first route whose path
+    matched, and FastAPI makes one route per method (GET and PATCH /v1/jobs/{id} are two), so
+    its Allow header left methods out. The documented operations are the API's routes; a route
+    outside the schema (the dashboard, the static files) keeps Starlette's answer."""
+    methods = {m.strip() for m in (starlette_allow or "").split(",") if m.strip()}
+    for pattern, verbs in _operation_patterns(app):
+        if pattern.fullmatch(path):
+            methods |= verbs
+    return ", ".join(sorted(methods))
+
+
+def _operation_patterns(app: FastAPI) -> list[tuple[re.Pattern[str], set[str]]]:
+    cached: list[tuple[re.Pattern[str], set[str]]] | None = getattr(
+        app.state, "operation_patterns", None
+    )
+    if cached is None:
+        cached = []
+        for template, operations in app.openapi()["paths"].items():
+            regex = re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template))
+            cached.append((re.compile(regex), {m.upper() for m in operations}))
+        app.state.operation_patterns = cached
+    return cached
+
+
 def create_app(
     settings: Settings,
     db: Database,
@@ -201,7 +232,7 @@ def create_app(
         return response
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         too_large = exc if exc.status_code == 413 else _too_large(exc.__cause__)
         if too_large is not None:
             return _too_large_error(str(too_large.detail))
@@ -217,7 +248,10 @@ def create_app(
                 [{"field": "body", "rule": "unparseable", "message": message}],
             )
         response = _error(exc.status_code, "http_error", str(exc.detail))
-        response.headers.update(exc.headers or {})  # e.g. Allow on a 405
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            allow = exc.headers.get("Allow") if exc.headers else None
+            response.headers["Allow"] = allowed_methods(app, request.url.path, allow)
         return response
 
     @app.exception_handler(OperationalError)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import stat
 import sys
@@ -388,6 +389,19 @@ def api_error(response: httpx.Response, target: Target) -> CliError:
 # Spec files
 
 
+class SpecLoader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string; the API takes JSON types strictly, so a
+    learning rate written that way would be a 422. Read it as the number it is, as YAML 1.2
+    does."""
+
+
+SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def load_spec(path: str) -> dict[str, Any]:
     """A spec from a YAML or JSON file (by suffix; else JSON, then YAML), or ``-`` for stdin."""
     name = "stdin" if path == "-" else path
@@ -432,7 +446,7 @@ def _parse_spec(text: str, suffix: str, name: str) -> Any:
                 ExitCode.USAGE,
             ) from None
     try:
-        return yaml.safe_load(text)  # YAML 1.1 reads JSON too
+        return yaml.load(text, Loader=SpecLoader)  # a SafeLoader; YAML 1.1 reads JSON too
     except yaml.YAMLError as exc:
         kind = "YAML" if suffix in (".yaml", ".yml") else "JSON or YAML"
         raise CliError(

@@ -46,9 +46,12 @@ NAME_PATTERN = r"^[^\x00-\x1f\x7f]*$"
 
 
 class StrictModel(BaseModel):
-    """Input models: unknown fields and NaN/Infinity are refused."""
+    """Input models: unknown fields and NaN/Infinity are refused, and types are JSON's own.
+    Pydantic's lax mode reads ``false`` as 0, ``"5"`` as 5 and ``1`` as true; in a JSON body
+    each of those is a client's mistake, so it is a 422 naming the field (strict mode; a
+    nested object may still be given as a JSON object)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 # --------------------------------------------------------------------------------------------
