@@ -17,9 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.authcache import AuthCache, FailureLimiter
 from service.db import Database
-from service.deps import TokenCache
-from service.errors import HalfwayError, SpecError
+from service.errors import HalfwayError, SpecError, TooManyRequests
 from service.metrics import MetricsRegistry, ObserveRequests, metrics_response
 from service.pollcache import PollCache
 from service.routes import artifacts, dashboard, datasets, history, jobs, meta, sweeps
@@ -212,7 +212,9 @@ def create_app(
     app.state.settings = settings
     app.state.db = db
     app.state.auth = auth
-    app.state.token_cache = TokenCache()
+    app.state.auth_cache = AuthCache(
+        db, FailureLimiter(settings.auth_failure_burst, settings.auth_failures_per_second)
+    )
     app.state.poll_cache = PollCache(settings.poll_cache_seconds)
 
     @app.exception_handler(RequestValidationError)
@@ -229,6 +231,8 @@ def create_app(
         response = _error(exc.status_code, exc.code, exc.message, fields)
         if exc.status_code == 401:
             response.headers["WWW-Authenticate"] = "Bearer"
+        if isinstance(exc, TooManyRequests):
+            response.headers["Retry-After"] = str(exc.retry_after)
         return response
 
     @app.exception_handler(StarletteHTTPException)

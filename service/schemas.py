@@ -698,12 +698,23 @@ ERROR_DESCRIPTIONS = {
     409: "Conflicts with the resource's state",
     413: "Request body over the server's limit",
     422: "Invalid input; names each field and the rule it broke",
+    429: "Too many failed authentications from this address; see Retry-After",
 }
 
 
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` for these error statuses, all with the ErrorOut body."""
-    return {code: {"model": ErrorOut, "description": ERROR_DESCRIPTIONS[code]} for code in codes}
+    """OpenAPI ``responses`` for these error statuses, all with the ErrorOut body. Where a token
+    is checked (401), so is the failed-authentication limit (429)."""
+    if 401 in codes:
+        codes = (*codes, 429)
+    out: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorOut, "description": ERROR_DESCRIPTIONS[code]} for code in codes
+    }
+    if 429 in out:
+        out[429]["headers"] = {
+            "Retry-After": {"description": "Seconds to wait", "schema": {"type": "integer"}}
+        }
+    return out
 
 
 class BucketOut(BaseModel):
