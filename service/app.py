@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service import openapi
 from service.authcache import AuthCache, FailureLimiter
 from service.db import Database
 from service.errors import HalfwayError, SpecError, TooManyRequests
@@ -277,6 +278,7 @@ def create_app(
     app.include_router(sweeps.router)
     app.include_router(dashboard.router)
     dashboard.mount_static(app)
+    openapi.install(app)
     # Bucket pages for long jobs run to hundreds of kilobytes of JSON; they compress ~7x.
     # Level 1: a 100 KB page takes 0.3 ms instead of level 9's 3.3 ms, for a 12% larger
     # result. (Starlette leaves text/event-stream alone, so the event stream is not delayed.)

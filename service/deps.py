@@ -20,6 +20,23 @@ from service.settings import Settings
 # (422) instead of reaching the database, where it overflows the column type (a 500).
 MAX_ID = 2**31 - 1
 
+
+def decimal_range_pattern(hi: int) -> str:
+    """A regex for the decimal numbers 1..hi without leading zeros, so a schema that takes ids
+    in text (``job_ids=1,2``) says exactly which ids it takes."""
+    digits = str(hi)
+    options = [f"[1-9][0-9]{{0,{len(digits) - 2}}}"] if len(digits) > 1 else []
+    for i, d in enumerate(digits):
+        low = "1" if i == 0 else "0"
+        if int(d) > int(low):
+            rest = len(digits) - i - 1
+            options.append(f"{digits[:i]}[{low}-{int(d) - 1}]" + (f"[0-9]{{{rest}}}" * bool(rest)))
+    options.append(digits)
+    return "(?:" + "|".join(options) + ")"
+
+
+ID_PATTERN = decimal_range_pattern(MAX_ID)
+
 # Declares the scheme in the OpenAPI document (so /docs and clients know to send a bearer
 # token); ``current_principal`` below does the checking.
 BEARER = HTTPBearer(

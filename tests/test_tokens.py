@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,53 +21,8 @@ from service.app import create_app
 from service.authcache import AUTH_RECHECK_SECONDS, FailureLimiter
 from service.db import Database
 from service.settings import Settings
+from tests.apiprocess import HALFWAY, ApiProcess
 from tests.conftest import Team
-from tests.live import HALFWAY, free_port
-
-
-class ApiProcess:
-    """One `halfway serve --no-worker` on the shared database."""
-
-    def __init__(self, db_url: str, home: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.output: list[str] = []
-        self.process = subprocess.Popen(
-            [HALFWAY, "serve", "--no-worker", "--port", str(self.port)],
-            env={**os.environ, "HALFWAY_HOME": str(home), "HALFWAY_DATABASE_URL": db_url},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.output.append(line)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, "".join(self.output)
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise AssertionError("the API did not start:\n" + "".join(self.output))
-
-    def status(self, token: str) -> int:
-        r = httpx.get(f"{self.url}/v1/jobs", headers=Team.header(token), timeout=10)
-        return r.status_code
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from service import history, jobs
 from service.db import Database
-from service.deps import MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
+from service.deps import ID_PATTERN, MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
 from service.errors import SpecError
 from service.etag import etag_of, etag_response, respond
 from service.models import FINISHED_STATUSES, ScaleEvent
@@ -378,8 +378,8 @@ def compare_history(
     job_ids: Annotated[
         str,
         Query(
-            pattern=r"^[0-9]{1,10}(,[0-9]{1,10}){0,19}$",
-            description="Comma-separated job ids (up to 20).",
+            pattern=f"^{ID_PATTERN}(?:,{ID_PATTERN}){{0,19}}$",
+            description="Comma-separated job ids (up to 20), each 1..2147483647.",
         ),
     ],
     points: Annotated[int, Query(ge=1, le=MAX_POINTS)] = 500,
