@@ -128,6 +128,17 @@ def _policy_name(value: Any) -> Any:
         raise PydanticCustomError("unexpressible_policy", str(exc)) from None
 
 
+def _pair_schema(variable: str, compute: str) -> dict[str, Any]:
+    pair = DtypePair.model_json_schema()
+    properties = {
+        **pair["properties"],
+        "variable_dtype": {"const": variable},
+        "compute_dtype": {"const": compute},
+    }
+    return {**pair, "properties": properties}
+
+
+# Only the pairs a Keras policy has: the others are refused (unexpressible_policy).
 PolicyField = Annotated[
     PolicyName,
     BeforeValidator(_policy_name),
@@ -135,7 +146,7 @@ PolicyField = Annotated[
         {
             "anyOf": [
                 {"type": "string", "enum": list(POLICIES)},
-                DtypePair.model_json_schema(),
+                *(_pair_schema(p.variable_dtype, p.compute_dtype) for p in POLICIES.values()),
             ]
         }
     ),
@@ -143,6 +154,29 @@ PolicyField = Annotated[
 
 
 class PrecisionSpec(StrictModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"graph_rewrite": {"const": True}}, "required": ["graph_rewrite"]},
+            "then": {
+                "required": ["policy"],
+                "properties": {
+                    "policy": {
+                        "anyOf": [
+                            {"const": "float32"},
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "variable_dtype": {"const": "float32"},
+                                    "compute_dtype": {"const": "float32"},
+                                },
+                            },
+                        ]
+                    }
+                },
+            },
+        }
+    )
+
     policy: PolicyField = Field(
         default="mixed_float16",
         description="A Keras dtype policy name, or {variable_dtype, compute_dtype} mapped to "
@@ -186,6 +220,19 @@ class PrecisionSpec(StrictModel):
 
 
 class LossScaleSpec(StrictModel):
+    # The legacy dynamic flag names a mode; JSON Schema can say which (see _consistent).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {"properties": {"dynamic": {"const": flag}}, "required": ["dynamic"]},
+                    "then": {"properties": {"mode": {"enum": ["auto", mode]}}},
+                }
+                for flag, mode in ((True, "dynamic"), (False, "fixed"))
+            ]
+        }
+    )
+
     mode: Literal["auto", "dynamic", "fixed", "none"] = Field(
         default="auto",
         description="auto: dynamic for float16 compute, none otherwise. fixed: a constant "
@@ -425,7 +472,27 @@ DataSpec = Annotated[
 # Optimizer and training
 
 
+def _only_when(names: list[str], absent: list[str]) -> dict[str, Any]:
+    """JSON Schema for "with one of these names, these arguments are null or left out"."""
+    return {
+        "if": {"properties": {"name": {"enum": names}}},
+        "then": {"properties": {field: {"type": "null"} for field in absent}},
+    }
+
+
 class OptimizerSpec(StrictModel):
+    # The arguments each optimizer takes, as the validator below checks them (an absent name
+    # is adam, which the first rule covers: an absent property satisfies "properties").
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                _only_when(["adam", "adamw"], ["momentum", "nesterov"]),
+                _only_when(["sgd"], ["beta_1", "beta_2"]),
+                _only_when(["rmsprop"], ["nesterov", "beta_1", "beta_2"]),
+            ]
+        }
+    )
+
     name: Literal["adam", "adamw", "sgd", "rmsprop"] = "adam"
     learning_rate: float = Field(default=0.001, gt=0, le=10)
     momentum: float | None = Field(default=None, ge=0, lt=1, description="sgd and rmsprop")
@@ -547,6 +614,12 @@ class ForensicsSpec(StrictModel):
 class ResourcesSpec(StrictModel):
     gpus: int | Literal["auto"] = Field(
         default="auto",
+        json_schema_extra={
+            "anyOf": [
+                {"type": "integer", "minimum": 0, "maximum": 64},
+                {"type": "string", "enum": ["auto"]},
+            ]
+        },
         description="GPUs the job needs. 'auto': one when the worker has GPUs, else the CPU. "
         "0: CPU only.",
     )
@@ -835,8 +908,14 @@ class SweepSpec(StrictModel):
     model_config = ConfigDict(
         json_schema_extra={
             "anyOf": [
-                {"required": ["variants"], "properties": {"variants": {"minItems": 1}}},
-                {"required": ["policies"], "properties": {"policies": {"minItems": 1}}},
+                {
+                    "required": ["variants"],
+                    "properties": {"variants": {"type": "array", "minItems": 1}},
+                },
+                {
+                    "required": ["policies"],
+                    "properties": {"policies": {"type": "array", "minItems": 1}},
+                },
             ]
         }
     )

@@ -20,13 +20,18 @@ __all__ = ["HALFWAY", "ApiProcess"]
 class ApiProcess:
     """One `halfway serve --no-worker` on the shared database."""
 
-    def __init__(self, db_url: str, home: Path) -> None:
+    def __init__(self, db_url: str, home: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.output: list[str] = []
         self.process = subprocess.Popen(
             [HALFWAY, "serve", "--no-worker", "--port", str(self.port)],
-            env={**os.environ, "HALFWAY_HOME": str(home), "HALFWAY_DATABASE_URL": db_url},
+            env={
+                **os.environ,
+                "HALFWAY_HOME": str(home),
+                "HALFWAY_DATABASE_URL": db_url,
+                **(env or {}),
+            },
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
