@@ -345,7 +345,8 @@ def test_schemathesis_with_every_check_and_every_phase_finds_nothing(
             "--request-timeout",
             str(STREAM_TIMEOUT),
         ]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        # In tmp_path: schemathesis keeps a cache in its working directory.
+        done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     finally:
         api.stop()
     assert done.returncode == 0, done.stdout[-20000:] + done.stderr[-5000:]
