@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
@@ -156,6 +157,20 @@ class AuthCache:
             self.generation = generation
             self._tokens.clear()
         self.read_started = max(self.read_started, started)
+
+
+async def still_valid(request: Request) -> bool:
+    """For a long response (the event stream): is the token that opened it still good? A
+    stream opened before its token was replaced or its user disabled ends at the next check."""
+    if not request.app.state.auth:
+        return True
+    token = request.headers.get("authorization", "").partition(" ")[2].strip()
+    cache: AuthCache = request.app.state.auth_cache
+    try:
+        await cache.principal(token, request.client.host if request.client else "unknown")
+    except (Unauthorized, TooManyRequests):
+        return False
+    return True
 
 
 def settle() -> None:

@@ -20,9 +20,11 @@ from service import auth
 from service.app import create_app
 from service.authcache import AUTH_RECHECK_SECONDS, FailureLimiter
 from service.db import Database
+from service.routes import history as history_routes
 from service.settings import Settings
 from tests.apiprocess import HALFWAY, ApiProcess
 from tests.conftest import Team
+from tests.live import Live
 
 
 @pytest.fixture
@@ -201,3 +203,25 @@ def test_failure_limiter_refills_at_its_rate_and_stays_bounded() -> None:
     for i in range(100):
         limiter.fail(f"client-{i}")
     assert len(limiter._buckets) <= 4
+
+
+def test_an_open_event_stream_ends_when_its_token_is_replaced(
+    live: Live, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(history_routes, "SSE_POLL_SECONDS", 0.05)
+    job = live.submit({"name": "never runs"})  # queued, no worker: its stream never ends
+    headers = Team.header(live.team.alice)
+    timeout = httpx.Timeout(10.0, read=AUTH_RECHECK_SECONDS * 8)
+    with httpx.stream(
+        "GET", f"{live.url}/v1/jobs/{job}/events", headers=headers, timeout=timeout
+    ) as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == "event: status"
+        with db.write() as s:
+            auth.rotate_token(s, "alice")
+        replaced = time.monotonic()
+        rest = list(lines)  # the server closes the stream; a read timeout fails the test
+    assert time.monotonic() - replaced < AUTH_RECHECK_SECONDS * 4
+    assert not any(line.startswith("event: steps") for line in rest)
+    r = httpx.get(f"{live.url}/v1/jobs/{job}/events", headers=headers, timeout=10)
+    assert r.status_code == 401

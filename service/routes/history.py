@@ -18,6 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service import history, jobs
+from service.authcache import still_valid
 from service.db import Database
 from service.deps import ID_PATTERN, MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
 from service.errors import SpecError
@@ -344,7 +345,7 @@ def _poll(
 async def _events(request: Request, db: Database, job_id: int, after: int) -> AsyncIterator[str]:
     last_status: dict[str, Any] | None = None
     quiet_since = asyncio.get_running_loop().time()
-    while not await request.is_disconnected():
+    while not await request.is_disconnected() and await still_valid(request):
         rows, has_more, status = await run_in_threadpool(_poll, db, job_id, after)
         now = asyncio.get_running_loop().time()
         if rows:
