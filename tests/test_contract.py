@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from sqlalchemy import select
 
 from service.client_cli import load_spec
 from service.db import Database
+from service.deps import decimal_range_pattern
 from service.models import Job
 from tests.conftest import Api
 
@@ -134,3 +136,26 @@ def test_a_yaml_spec_reads_exponent_numbers_as_numbers(tmp_path: Path) -> None:
     assert spec["optimizer"]["learning_rate"] == 0.001
     assert spec["training"]["target_loss"] == 25.0
     assert spec["name"] == "1e3x"
+
+
+@pytest.mark.parametrize("hi", [1, 9, 10, 57, 100, 999, 1000, 4096, 2**31 - 1])
+def test_the_id_pattern_matches_exactly_one_to_hi(hi: int) -> None:
+    pattern = re.compile(decimal_range_pattern(hi))
+    near = {0, 1, 2, hi - 1, hi, hi + 1, hi * 10, *range(0, min(hi + 2, 3000))}
+    for n in sorted(near):
+        assert bool(pattern.fullmatch(str(n))) == (1 <= n <= hi), n
+    for text in ("01", "-1", "", "1.0", " 1", "+1"):
+        assert not pattern.fullmatch(text), text
+
+
+@pytest.mark.parametrize(
+    ("job_ids", "status"),
+    [("1", 404), ("2147483647", 404), ("1,2", 404), ("0", 422), ("2147483648", 422), ("01", 422)],
+)
+def test_compare_history_job_ids_follow_the_documented_pattern(
+    api: Api, job_ids: str, status: int
+) -> None:
+    r = api.get(f"/v1/history?job_ids={job_ids}")
+    assert r.status_code == status, r.text
+    if status == 422:
+        assert r.json()["fields"][0]["field"] in ("job_ids", "query.job_ids")
