@@ -52,6 +52,9 @@ EXAMPLES = 40
 # The ignored_auth check sends bad tokens to every operation and wants a 401 each time, not the
 # 429 that the failed-authentication limit answers past its burst (tests/test_tokens.py).
 UNLIMITED = 10**9
+# Per operation and phase in the schemathesis CLI run (the coverage phase adds its own boundary
+# cases on top); with these the run takes about half a minute on an idle 2-core machine.
+ST_EXAMPLES = 10
 STREAM_TIMEOUT = 10.0
 
 # Every operation in the schema; test_every_operation_is_fuzzed keeps this list complete.
@@ -337,7 +340,7 @@ def test_schemathesis_with_every_check_and_every_phase_finds_nothing(
             "--phases",
             "examples,coverage,fuzzing,stateful",
             "--max-examples",
-            "25",
+            str(ST_EXAMPLES),
             "--seed",
             "1",
             "--workers",
