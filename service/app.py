@@ -4,6 +4,7 @@ here touches a database or TensorFlow at import time."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -16,9 +17,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service import openapi
+from service.authcache import AuthCache, FailureLimiter
 from service.db import Database
-from service.deps import TokenCache
-from service.errors import HalfwayError, SpecError
+from service.errors import HalfwayError, SpecError, TooManyRequests
 from service.metrics import MetricsRegistry, ObserveRequests, metrics_response
 from service.pollcache import PollCache
 from service.routes import artifacts, dashboard, datasets, history, jobs, meta, sweeps
@@ -30,6 +32,9 @@ log = logging.getLogger("halfway.api")
 # Pydantic puts a discriminated union's tag in an error's location (data.synthetic.samples);
 # users wrote data.samples, so the tag is dropped.
 _UNION_TAGS = {"mlp", "cnn", "transformer", "keras", "synthetic", "npz"}
+# A plain union (``bool | Literal["auto"]``) puts the member's type in the location
+# (training.jit_compile.bool); the field is what the user wrote.
+_UNION_MEMBER = re.compile(r"^(bool|int|float|str|none|(literal|list|dict|function-\w+)\[.*\])$")
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
@@ -39,6 +44,8 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     cleaned: list[str] = []
     for i, part in enumerate(parts):
         if i > 0 and parts[i - 1] in ("model", "data") and part in _UNION_TAGS:
+            continue
+        if i > 0 and isinstance(part, str) and _UNION_MEMBER.match(part):
             continue
         cleaned.append(str(part))
     return ".".join(cleaned)
@@ -153,6 +160,31 @@ def _unparseable(exc: StarletteHTTPException) -> str:
     return str(exc.detail)
 
 
+def allowed_methods(app: FastAPI, path: str, starlette_allow: str | None) -> str:
+    """Every method the path answers. Starlette's own 405 names only the first route whose path
+    matched, and FastAPI makes one route per method (GET and PATCH /v1/jobs/{id} are two), so
+    its Allow header left methods out. The documented operations are the API's routes; a route
+    outside the schema (the dashboard, the static files) keeps Starlette's answer."""
+    methods = {m.strip() for m in (starlette_allow or "").split(",") if m.strip()}
+    for pattern, verbs in _operation_patterns(app):
+        if pattern.fullmatch(path):
+            methods |= verbs
+    return ", ".join(sorted(methods))
+
+
+def _operation_patterns(app: FastAPI) -> list[tuple[re.Pattern[str], set[str]]]:
+    cached: list[tuple[re.Pattern[str], set[str]]] | None = getattr(
+        app.state, "operation_patterns", None
+    )
+    if cached is None:
+        cached = []
+        for template, operations in app.openapi()["paths"].items():
+            regex = re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template))
+            cached.append((re.compile(regex), {m.upper() for m in operations}))
+        app.state.operation_patterns = cached
+    return cached
+
+
 def create_app(
     settings: Settings,
     db: Database,
@@ -181,7 +213,9 @@ def create_app(
     app.state.settings = settings
     app.state.db = db
     app.state.auth = auth
-    app.state.token_cache = TokenCache()
+    app.state.auth_cache = AuthCache(
+        db, FailureLimiter(settings.auth_failure_burst, settings.auth_failures_per_second)
+    )
     app.state.poll_cache = PollCache(settings.poll_cache_seconds)
 
     @app.exception_handler(RequestValidationError)
@@ -198,10 +232,12 @@ def create_app(
         response = _error(exc.status_code, exc.code, exc.message, fields)
         if exc.status_code == 401:
             response.headers["WWW-Authenticate"] = "Bearer"
+        if isinstance(exc, TooManyRequests):
+            response.headers["Retry-After"] = str(exc.retry_after)
         return response
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         too_large = exc if exc.status_code == 413 else _too_large(exc.__cause__)
         if too_large is not None:
             return _too_large_error(str(too_large.detail))
@@ -217,7 +253,10 @@ def create_app(
                 [{"field": "body", "rule": "unparseable", "message": message}],
             )
         response = _error(exc.status_code, "http_error", str(exc.detail))
-        response.headers.update(exc.headers or {})  # e.g. Allow on a 405
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            allow = exc.headers.get("Allow") if exc.headers else None
+            response.headers["Allow"] = allowed_methods(app, request.url.path, allow)
         return response
 
     @app.exception_handler(OperationalError)
@@ -239,6 +278,7 @@ def create_app(
     app.include_router(sweeps.router)
     app.include_router(dashboard.router)
     dashboard.mount_static(app)
+    openapi.install(app)
     # Bucket pages for long jobs run to hundreds of kilobytes of JSON and compress well.
     # Level 1 because it is about ten times cheaper than level 9 for a slightly larger result
     # (README, "Decisions"). Starlette leaves text/event-stream alone, so the event stream is

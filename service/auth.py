@@ -1,19 +1,28 @@
 """Users and API tokens. Only a SHA-256 of each token is stored: tokens are 256 random bits,
 so a fast hash is enough (there is nothing to brute-force), and the lookup by hash means the
-database never sees the token itself."""
+database never sees the token itself.
+
+The lookup by hash is also the whole timing defence: the query compares digests, never the
+token, so how long a refusal takes tells a guesser nothing about the token it would need. (A
+constant-time compare of the row's digest with the digest it was found by compared a value
+with itself, and was dropped.)
+
+Every change to a user row (a new token, removed, disabled, a role) bumps the one-row
+``auth_state.generation`` in the same transaction; API processes drop their token caches when
+it moves (service/authcache.py)."""
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import event, select, update
 from sqlalchemy.orm import Session
 
-from service.errors import Conflict, Forbidden
-from service.models import User, utcnow
+from service.errors import Conflict, Forbidden, NotFound
+from service.models import AuthState, User, utcnow
 
 TOKEN_PREFIX = "hw_"
 
@@ -58,24 +67,78 @@ def add_user(session: Session, name: str, *, admin: bool = False) -> str:
     return token
 
 
-def rotate_token(session: Session, name: str) -> str:
+def _user(session: Session, name: str) -> User:
     user = session.scalars(select(User).where(User.name == name)).one_or_none()
     if user is None:
-        raise Conflict(f"no user {name!r}")
+        raise NotFound(f"no user {name!r}")
+    return user
+
+
+def rotate_token(session: Session, name: str) -> str:
+    user = _user(session, name)
     token = new_token()
     user.token_hash = hash_token(token)
     session.flush()
     return token
 
 
+def remove_user(session: Session, name: str) -> None:
+    """Delete the user; its jobs stay, still owned by the name (owners are names)."""
+    session.delete(_user(session, name))
+    session.flush()
+
+
+def set_disabled(session: Session, name: str, disabled: bool) -> bool:
+    """Disable or enable a user; returns whether anything changed."""
+    user = _user(session, name)
+    if user.disabled == disabled:
+        return False
+    user.disabled = disabled
+    session.flush()
+    return True
+
+
+Verdict = Principal | str
+"""What a token is: its user, or why it is refused."""
+
+INVALID = "invalid token"
+
+
+def lookup(session: Session, digest: str) -> tuple[int, Verdict]:
+    """The auth generation and what the token with this digest is, read by one statement, so
+    both come from the same snapshot of the database."""
+    row = session.execute(
+        select(AuthState.generation, User.name, User.role, User.disabled)
+        .select_from(AuthState)
+        .outerjoin(User, User.token_hash == digest)
+        .where(AuthState.id == 1)
+    ).one()
+    generation, name, role, disabled = row
+    if name is None:
+        return generation, INVALID
+    if disabled:
+        return generation, f"user {name!r} is disabled; an admin can enable it"
+    return generation, Principal(name=name, role=role)
+
+
+def generation(session: Session) -> int:
+    value: int = session.execute(select(AuthState.generation).where(AuthState.id == 1)).scalar_one()
+    return value
+
+
 def authenticate(session: Session, token: str) -> Principal | None:
-    digest = hash_token(token)
-    user = session.scalars(select(User).where(User.token_hash == digest)).one_or_none()
-    # The lookup is by hash already; compare again in constant time so no code path ever
-    # compares secret material byte by byte.
-    if user is None or not hmac.compare_digest(user.token_hash, digest):
-        return None
-    return Principal(name=user.name, role=user.role)
+    verdict = lookup(session, hash_token(token))[1]
+    return verdict if isinstance(verdict, Principal) else None
+
+
+@event.listens_for(Session, "before_flush")
+def _bump_generation_on_user_change(session: Session, *_: Any) -> None:
+    """Any user row added, changed or deleted in this flush moves the generation, in the same
+    transaction: no code path that changes a user (here or in a later command) can forget to."""
+    if any(isinstance(o, User) for o in (*session.new, *session.dirty, *session.deleted)):
+        session.execute(
+            update(AuthState).where(AuthState.id == 1).values(generation=AuthState.generation + 1)
+        )
 
 
 def any_users(session: Session) -> bool:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import ipaddress
 import logging
 import threading
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, TypeVar
 
 import typer
+from sqlalchemy.orm import Session
 
 from service import auth, migrate
 from service.client import commands as client_commands
@@ -25,6 +27,7 @@ app.add_typer(db_app, name="db")
 app.add_typer(users_app, name="users")
 
 log = logging.getLogger("halfway")
+_T = TypeVar("_T")
 
 
 def _setup_logging(json_logs: bool = False) -> None:
@@ -234,20 +237,72 @@ def users_add(
     typer.echo(token)
 
 
-@users_app.command("token")
-def users_token(name: str) -> None:
-    """Replace a user's token with a new one and print it."""
-    from service.errors import Conflict
+def _change_user(
+    name: str, change: Callable[[Session], _T], done: Callable[[_T], str | None]
+) -> _T:
+    """Apply a change to a user, then wait until every API process on the database has seen
+    it (service/authcache.py), so what the command took away is refused once it returns."""
+    from service.authcache import settle
+    from service.errors import HalfwayError
 
     settings = Settings()
     db = _database(settings)
+    migrate.upgrade(db.engine)
     try:
         with db.write() as session:
-            token = auth.rotate_token(session, name)
-    except Conflict as exc:
-        typer.echo(str(exc), err=True)
+            result = change(session)
+    except HalfwayError as exc:
+        typer.echo(exc.message, err=True)
         raise typer.Exit(1) from None
+    finally:
+        db.dispose()
+    settle()
+    message = done(result)
+    if message:
+        typer.echo(message, err=True)
+    return result
+
+
+@users_app.command("token")
+def users_token(name: str) -> None:
+    """Replace a user's token with a new one and print it; the old one stops working at once,
+    in every API process."""
+    token = _change_user(
+        name,
+        lambda session: auth.rotate_token(session, name),
+        lambda _: f"{name}'s old token no longer works.",
+    )
     typer.echo(token)
+
+
+@users_app.command("remove")
+def users_remove(name: str) -> None:
+    """Delete a user; its token stops working at once. Its jobs stay (owned by the name)."""
+    _change_user(
+        name,
+        lambda session: auth.remove_user(session, name),
+        lambda _: f"removed {name}; its token no longer works.",
+    )
+
+
+@users_app.command("disable")
+def users_disable(name: str) -> None:
+    """Refuse a user's token until `halfway users enable NAME`; its jobs go on."""
+    _change_user(
+        name,
+        lambda session: auth.set_disabled(session, name, True),
+        lambda changed: f"{name} {'is now' if changed else 'was already'} disabled.",
+    )
+
+
+@users_app.command("enable")
+def users_enable(name: str) -> None:
+    """Accept a disabled user's token again."""
+    _change_user(
+        name,
+        lambda session: auth.set_disabled(session, name, False),
+        lambda changed: f"{name} {'is now' if changed else 'was already'} enabled.",
+    )
 
 
 def main() -> None:

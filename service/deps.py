@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Path, Request, Security
-from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from service.auth import LOCAL_PRINCIPAL, Principal, authenticate, hash_token
+from service.auth import LOCAL_PRINCIPAL, Principal
+from service.authcache import AuthCache
 from service.db import Database
 from service.errors import Unauthorized
 from service.pollcache import PollCache
@@ -20,6 +19,23 @@ from service.settings import Settings
 # Ids are INTEGER columns: 32-bit on PostgreSQL. A larger id in a URL is refused by validation
 # (422) instead of reaching the database, where it overflows the column type (a 500).
 MAX_ID = 2**31 - 1
+
+
+def decimal_range_pattern(hi: int) -> str:
+    """A regex for the decimal numbers 1..hi without leading zeros, so a schema that takes ids
+    in text (``job_ids=1,2``) says exactly which ids it takes."""
+    digits = str(hi)
+    options = [f"[1-9][0-9]{{0,{len(digits) - 2}}}"] if len(digits) > 1 else []
+    for i, d in enumerate(digits):
+        low = "1" if i == 0 else "0"
+        if int(d) > int(low):
+            rest = len(digits) - i - 1
+            options.append(f"{digits[:i]}[{low}-{int(d) - 1}]" + (f"[0-9]{{{rest}}}" * bool(rest)))
+    options.append(digits)
+    return "(?:" + "|".join(options) + ")"
+
+
+ID_PATTERN = decimal_range_pattern(MAX_ID)
 
 # Declares the scheme in the OpenAPI document (so /docs and clients know to send a bearer
 # token); ``current_principal`` below does the checking.
@@ -57,51 +73,19 @@ def write_session(db: Annotated[Database, Depends(get_db)]) -> Iterator[Session]
 
 async def current_principal(
     request: Request,
-    db: Annotated[Database, Depends(get_db)],
     _bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)],
 ) -> Principal:
-    """Async: a token seen in the last half minute is checked on the event loop (a hash and
-    a dictionary lookup); only an unknown one costs a query, in a thread."""
+    """Async: a token this process verified under the current auth generation is checked on
+    the event loop (a hash and a dictionary lookup); see service/authcache.py."""
     if not request.app.state.auth:
         return LOCAL_PRINCIPAL
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
-    cache: TokenCache = request.app.state.token_cache
-    key = hash_token(token.strip())
-    principal = cache.get(key)
-    if principal is None:
-        principal = await run_in_threadpool(_authenticate, db, token.strip())
-        if principal is None:
-            raise Unauthorized("invalid token")
-        cache.put(key, principal)
-    return principal
-
-
-def _authenticate(db: Database, token: str) -> Principal | None:
-    with db.sessions() as session:
-        return authenticate(session, token)
-
-
-class TokenCache:
-    """Recently verified tokens (by hash), so a dashboard polling every second does not cost a
-    user lookup per request. A removed user's token stops working within ``ttl`` seconds."""
-
-    def __init__(self, ttl: float = 30.0, size: int = 1024) -> None:
-        self.ttl, self.size = ttl, size
-        self._items: dict[str, tuple[float, Principal]] = {}
-
-    def get(self, key: str) -> Principal | None:
-        item = self._items.get(key)
-        if item is None or time.monotonic() - item[0] > self.ttl:
-            return None
-        return item[1]
-
-    def put(self, key: str, principal: Principal) -> None:
-        if len(self._items) >= self.size:
-            self._items.clear()
-        self._items[key] = (time.monotonic(), principal)
+    cache: AuthCache = request.app.state.auth_cache
+    client = request.client.host if request.client else "unknown"
+    return await cache.principal(token.strip(), client)
 
 
 async def get_poll_cache(request: Request) -> PollCache:

@@ -66,3 +66,12 @@ class Forbidden(HalfwayError):
 class PayloadTooLarge(HalfwayError):
     status_code = 413
     code = "payload_too_large"
+
+
+class TooManyRequests(HalfwayError):
+    status_code = 429
+    code = "too_many_requests"
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 from sqlalchemy import (
     JSON,
     REAL,
+    BigInteger,
     Boolean,
     CheckConstraint,
     DateTime,
@@ -22,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -249,6 +251,17 @@ class User(Base):
     role: Mapped[str] = mapped_column(String(16), default="member")
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    disabled: Mapped[bool] = mapped_column(default=False, server_default=false())
+
+
+class AuthState(Base):
+    """One row: a counter that every change to a user bumps (service/authcache.py)."""
+
+    __tablename__ = "auth_state"
+    __table_args__ = (CheckConstraint("id = 1", name="ck_auth_state_one_row"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    generation: Mapped[int] = mapped_column(BigInteger)
 
 
 class Sweep(Base):

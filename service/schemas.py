@@ -10,8 +10,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import types
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -45,10 +46,51 @@ MAX_INT32 = 2**31 - 1
 NAME_PATTERN = r"^[^\x00-\x1f\x7f]*$"
 
 
-class StrictModel(BaseModel):
-    """Input models: unknown fields and NaN/Infinity are refused."""
+def _int_kind(annotation: Any) -> Literal["int", "list"] | None:
+    """Whether a field takes an integer, or a list of integers."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _int_kind(get_args(annotation)[0])
+    if annotation is int:
+        return "int"
+    if origin is list:
+        return "list" if _int_kind(get_args(annotation)[0]) == "int" else None
+    if origin in (Union, types.UnionType):
+        kinds = {_int_kind(a) for a in get_args(annotation)}
+        return "int" if "int" in kinds else "list" if "list" in kinds else None
+    return None
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+def _integral(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    return value
+
+
+class StrictModel(BaseModel):
+    """Input models: unknown fields and NaN/Infinity are refused, and types are JSON's own.
+    Pydantic's lax mode reads ``false`` as 0, ``"5"`` as 5 and ``1`` as true; in a JSON body
+    each of those is a client's mistake, so it is a 422 naming the field (strict mode; a
+    nested object may still be given as a JSON object). JSON has one number type, and JSON
+    Schema calls 29.0 an integer, so an integer field takes 29.0 (as 29), never 29.5."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_numbers(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fixed = dict(data)
+        for name, field in cls.model_fields.items():
+            if name not in data:
+                continue
+            kind = _int_kind(field.annotation)
+            if kind == "int":
+                fixed[name] = _integral(data[name])
+            elif kind == "list" and isinstance(data[name], list):
+                fixed[name] = [_integral(v) for v in data[name]]
+        return fixed
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,6 +128,17 @@ def _policy_name(value: Any) -> Any:
         raise PydanticCustomError("unexpressible_policy", str(exc)) from None
 
 
+def _pair_schema(variable: str, compute: str) -> dict[str, Any]:
+    pair = DtypePair.model_json_schema()
+    properties = {
+        **pair["properties"],
+        "variable_dtype": {"const": variable},
+        "compute_dtype": {"const": compute},
+    }
+    return {**pair, "properties": properties}
+
+
+# Only the pairs a Keras policy has: the others are refused (unexpressible_policy).
 PolicyField = Annotated[
     PolicyName,
     BeforeValidator(_policy_name),
@@ -93,7 +146,7 @@ PolicyField = Annotated[
         {
             "anyOf": [
                 {"type": "string", "enum": list(POLICIES)},
-                DtypePair.model_json_schema(),
+                *(_pair_schema(p.variable_dtype, p.compute_dtype) for p in POLICIES.values()),
             ]
         }
     ),
@@ -101,6 +154,29 @@ PolicyField = Annotated[
 
 
 class PrecisionSpec(StrictModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"graph_rewrite": {"const": True}}, "required": ["graph_rewrite"]},
+            "then": {
+                "required": ["policy"],
+                "properties": {
+                    "policy": {
+                        "anyOf": [
+                            {"const": "float32"},
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "variable_dtype": {"const": "float32"},
+                                    "compute_dtype": {"const": "float32"},
+                                },
+                            },
+                        ]
+                    }
+                },
+            },
+        }
+    )
+
     policy: PolicyField = Field(
         default="mixed_float16",
         description="A Keras dtype policy name, or {variable_dtype, compute_dtype} mapped to "
@@ -144,6 +220,19 @@ class PrecisionSpec(StrictModel):
 
 
 class LossScaleSpec(StrictModel):
+    # The legacy dynamic flag names a mode; JSON Schema can say which (see _consistent).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {"properties": {"dynamic": {"const": flag}}, "required": ["dynamic"]},
+                    "then": {"properties": {"mode": {"enum": ["auto", mode]}}},
+                }
+                for flag, mode in ((True, "dynamic"), (False, "fixed"))
+            ]
+        }
+    )
+
     mode: Literal["auto", "dynamic", "fixed", "none"] = Field(
         default="auto",
         description="auto: dynamic for float16 compute, none otherwise. fixed: a constant "
@@ -383,7 +472,27 @@ DataSpec = Annotated[
 # Optimizer and training
 
 
+def _only_when(names: list[str], absent: list[str]) -> dict[str, Any]:
+    """JSON Schema for "with one of these names, these arguments are null or left out"."""
+    return {
+        "if": {"properties": {"name": {"enum": names}}},
+        "then": {"properties": {field: {"type": "null"} for field in absent}},
+    }
+
+
 class OptimizerSpec(StrictModel):
+    # The arguments each optimizer takes, as the validator below checks them (an absent name
+    # is adam, which the first rule covers: an absent property satisfies "properties").
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                _only_when(["adam", "adamw"], ["momentum", "nesterov"]),
+                _only_when(["sgd"], ["beta_1", "beta_2"]),
+                _only_when(["rmsprop"], ["nesterov", "beta_1", "beta_2"]),
+            ]
+        }
+    )
+
     name: Literal["adam", "adamw", "sgd", "rmsprop"] = "adam"
     learning_rate: float = Field(default=0.001, gt=0, le=10)
     momentum: float | None = Field(default=None, ge=0, lt=1, description="sgd and rmsprop")
@@ -505,6 +614,12 @@ class ForensicsSpec(StrictModel):
 class ResourcesSpec(StrictModel):
     gpus: int | Literal["auto"] = Field(
         default="auto",
+        json_schema_extra={
+            "anyOf": [
+                {"type": "integer", "minimum": 0, "maximum": 64},
+                {"type": "string", "enum": ["auto"]},
+            ]
+        },
         description="GPUs the job needs. 'auto': one when the worker has GPUs, else the CPU. "
         "0: CPU only.",
     )
@@ -695,12 +810,23 @@ ERROR_DESCRIPTIONS = {
     409: "Conflicts with the resource's state",
     413: "Request body over the server's limit",
     422: "Invalid input; names each field and the rule it broke",
+    429: "Too many failed authentications from this address; see Retry-After",
 }
 
 
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` for these error statuses, all with the ErrorOut body."""
-    return {code: {"model": ErrorOut, "description": ERROR_DESCRIPTIONS[code]} for code in codes}
+    """OpenAPI ``responses`` for these error statuses, all with the ErrorOut body. Where a token
+    is checked (401), so is the failed-authentication limit (429)."""
+    if 401 in codes:
+        codes = (*codes, 429)
+    out: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorOut, "description": ERROR_DESCRIPTIONS[code]} for code in codes
+    }
+    if 429 in out:
+        out[429]["headers"] = {
+            "Retry-After": {"description": "Seconds to wait", "schema": {"type": "integer"}}
+        }
+    return out
 
 
 class BucketOut(BaseModel):
@@ -771,11 +897,29 @@ class VariantSpec(StrictModel):
     """What a variant changes in the base spec: its precision and/or loss scaling."""
 
     name: str | None = Field(default=None, min_length=1, max_length=100, pattern=NAME_PATTERN)
+    # Merged into the base's sections, then validated with it; the OpenAPI document gives
+    # them the sections' schemas (service/openapi.py).
     precision: dict[str, Any] | None = None
     loss_scale: dict[str, Any] | None = None
 
 
 class SweepSpec(StrictModel):
+    # JSON Schema can say "at least one variant, from either list": so it does.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {
+                    "required": ["variants"],
+                    "properties": {"variants": {"type": "array", "minItems": 1}},
+                },
+                {
+                    "required": ["policies"],
+                    "properties": {"policies": {"type": "array", "minItems": 1}},
+                },
+            ]
+        }
+    )
+
     # Each job is named '<sweep>/<variant>' (variant names are up to 100 characters) and a job
     # name holds at most 200.
     name: str | None = Field(default=None, min_length=1, max_length=99, pattern=NAME_PATTERN)

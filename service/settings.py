@@ -62,6 +62,12 @@ class Settings(BaseSettings):
         le=60,
         description="Reuse a job's summary this long for polls (0: always read the database).",
     )
+    auth_failure_burst: int = Field(
+        default=20, ge=1, description="Failed authentications a client address may make at once."
+    )
+    auth_failures_per_second: float = Field(
+        default=1.0, gt=0, description="Then this many more per second; beyond: 429."
+    )
     gpu_free_mib: int = Field(
         default=512,
         ge=0,

@@ -382,7 +382,7 @@ REFUSED_BODIES: list[tuple[str, str, str, str, str]] = [
         "/v1/jobs",
         '{"training": {"batch_size": 32.5}}',
         "training.batch_size",
-        "int_from_float",
+        "int_type",
     ),
     (
         "steps as a string",
@@ -501,9 +501,9 @@ def test_bad_values_are_422_naming_the_field_and_store_nothing(
 
 
 PATCHES: list[tuple[str, str, str, str]] = [
-    ("NaN priority", '{"priority": NaN}', "priority", "finite_number"),
+    ("NaN priority", '{"priority": NaN}', "priority", "int_type"),
     ("10**1000 priority", f'{{"priority": {BIG}}}', "priority", "less_than_equal"),
-    ("priority as a word", '{"priority": "high"}', "priority", "int_parsing"),
+    ("priority as a word", '{"priority": "high"}', "priority", "int_type"),
     ("changing the owner", '{"priority": 60, "owner": "bob"}', "owner", "extra_forbidden"),
     ("changing the status", '{"priority": 60, "status": "succeeded"}', "status", "extra_forbidden"),
     ("no priority", "{}", "priority", "missing"),

@@ -205,7 +205,7 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "training.validation_split",
         "less_than_equal",
     ),
-    ("string for int", {"training": {"epochs": "many"}}, "training.epochs", "int_parsing"),
+    ("string for int", {"training": {"epochs": "many"}}, "training.epochs", "int_type"),
     ("unknown data kind", {"data": {"kind": "s3"}}, "data", "unknown_kind"),
     ("synthetic samples 1", {"data": {"samples": 1}}, "data.samples", "greater_than_equal"),
     (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,19 @@ from typing import Any
 import yaml
 
 from service.client.errors import UsageError
+
+
+class SpecLoader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string; the API takes JSON types strictly, so a
+    learning rate written that way would be a 422. Read it as the number it is, as YAML 1.2
+    does."""
+
+
+SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def load_spec(path: str) -> dict[str, Any]:
@@ -54,7 +68,7 @@ def _parse_spec(text: str, suffix: str, name: str) -> Any:
                 f"column {exc.colno}"
             ) from None
     try:
-        return yaml.safe_load(text)  # YAML 1.1 reads JSON too
+        return yaml.load(text, Loader=SpecLoader)  # a SafeLoader; YAML 1.1 reads JSON too
     except yaml.YAMLError as exc:
         kind = "YAML" if suffix in (".yaml", ".yml") else "JSON or YAML"
         raise UsageError(f"spec file {name} is not valid {kind}", [str(exc)]) from None

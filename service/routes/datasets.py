@@ -37,7 +37,7 @@ class DatasetOut(BaseModel):
 )
 def upload_dataset(
     file: Annotated[UploadFile, File(description="An .npz with x_train, y_train[, x_val, y_val]")],
-    name: Annotated[str, Form(min_length=1, max_length=100)],
+    name: Annotated[str, Form(min_length=1, max_length=100, pattern=datasets.NAME.pattern)],
     principal: PrincipalDep,
     settings: SettingsDep,
 ) -> DatasetOut:

@@ -18,8 +18,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service import history, jobs
+from service.authcache import still_valid
 from service.db import Database
-from service.deps import MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
+from service.deps import ID_PATTERN, MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
 from service.errors import SpecError
 from service.etag import etag_of, etag_response, respond
 from service.models import FINISHED_STATUSES, ScaleEvent
@@ -344,7 +345,7 @@ def _poll(
 async def _events(request: Request, db: Database, job_id: int, after: int) -> AsyncIterator[str]:
     last_status: dict[str, Any] | None = None
     quiet_since = asyncio.get_running_loop().time()
-    while not await request.is_disconnected():
+    while not await request.is_disconnected() and await still_valid(request):
         rows, has_more, status = await run_in_threadpool(_poll, db, job_id, after)
         now = asyncio.get_running_loop().time()
         if rows:
@@ -378,8 +379,8 @@ def compare_history(
     job_ids: Annotated[
         str,
         Query(
-            pattern=r"^[0-9]{1,10}(,[0-9]{1,10}){0,19}$",
-            description="Comma-separated job ids (up to 20).",
+            pattern=f"^{ID_PATTERN}(?:,{ID_PATTERN}){{0,19}}$",
+            description="Comma-separated job ids (up to 20), each 1..2147483647.",
         ),
     ],
     points: Annotated[int, Query(ge=1, le=MAX_POINTS)] = 500,

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import Field
 from sqlalchemy.exc import IntegrityError
 
 from service import jobs, specs
@@ -33,6 +33,7 @@ from service.schemas import (
     JobPage,
     JobSpec,
     Progress,
+    StrictModel,
     SubmitResult,
     Summary,
     error_responses,
@@ -241,9 +242,8 @@ def cancel_job(
     return job_out(job)
 
 
-class JobPatch(BaseModel):
-    model_config = {"extra": "forbid"}
-    priority: int = Field(ge=0, le=100)
+class JobPatch(StrictModel):
+    priority: int = Field(ge=0, le=100, description="0..100, higher runs first.")
 
 
 @router.patch(
