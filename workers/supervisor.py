@@ -183,6 +183,7 @@ class Supervisor:
         return {
             "job_id": claim.job_id,
             "attempt": claim.attempt,
+            "supervisor_pid": os.getpid(),
             "spec": claim.spec,
             "job_dir": str(self.job_dir(claim.job_id)),
             "data_dir": str(self.settings.resolved_data_dir()),
