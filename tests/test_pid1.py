@@ -36,7 +36,9 @@ def compose_command(service: str) -> list[str]:
     return [str(BIN / "halfway"), *command[1:]]
 
 
-def as_pid1(command: list[str], settings: Settings, log: Path, **env: str) -> subprocess.Popen[bytes]:
+def as_pid1(
+    command: list[str], settings: Settings, log: Path, **env: str
+) -> subprocess.Popen[bytes]:
     """``command`` as PID 1 of a new PID namespace (with its own /proc, so ``ps`` inside and
     ``os.getppid()`` agree)."""
     environment = {
