@@ -173,6 +173,7 @@ def write_steps(
     seen = job.last_step if job.last_step is not None else -1
     fresh = [r for r in records if r.step > seen]
     fresh_events = [e for e in events if e["step"] > seen]
+    job.steps_recorded += len(fresh)
     if fresh:
         last = fresh[-1]
         job.last_step = last.step

@@ -58,6 +58,7 @@ def create_job(
         growth_count=0,
         backoff_count=0,
         nonfinite_loss_count=0,
+        steps_recorded=0,
         metrics={},
         precision_report=[],
         forensics=[],

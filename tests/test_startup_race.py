@@ -78,7 +78,7 @@ def test_two_servers_started_at_once_on_an_empty_database_both_come_up(
     try:
         with db.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_heads()
-        with db.read() as s:
-            assert s.scalar(select(func.count()).select_from(User)) == 1
+        with db.read() as session:
+            assert session.scalar(select(func.count()).select_from(User)) == 1
     finally:
         db.dispose()
