@@ -46,6 +46,7 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
                 flush_seconds=payload.get("flush_seconds", 0.5),
                 gpu_ids=gpu_ids,
                 resume_step=payload.get("resume_step"),
+                attempt=payload.get("attempt") or 1,
                 max_parameters=payload.get("max_parameters"),
             )
         )

@@ -60,6 +60,8 @@ class _Run:
 
     job_id: int
     attempt: int
+    resume_step: int | None = None  # the acknowledged checkpoint the attempt was given
+    missing_checkpoint: str | None = None  # why it started over instead, to record
     pending: list[StepRecord] = field(default_factory=list)
     updates: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] | None = None
@@ -195,7 +197,7 @@ class Supervisor:
         return self.gpu_ids[:count]
 
     def _run_claim(self, claim: jobs.Claim) -> Outcome:
-        run = _Run(job_id=claim.job_id, attempt=claim.attempt)
+        run = _Run(job_id=claim.job_id, attempt=claim.attempt, resume_step=claim.checkpoint_step)
         gpu_ids = self._gpus_for(claim.spec)
         receiver, sender = SPAWN.Pipe(duplex=False)
         process = SPAWN.Process(
@@ -256,6 +258,14 @@ class Supervisor:
         elif msg["type"] == "started":
             run.started = True
             run.truncate_at = msg["start_step"]
+            if run.resume_step is not None and msg["start_step"] != run.resume_step:
+                run.missing_checkpoint = (
+                    f"attempt {run.attempt}: the acknowledged checkpoint of step "
+                    f"{run.resume_step} was missing from {self.job_dir(run.job_id)}, so the "
+                    f"job restarted from step {msg['start_step']} (its history from there on "
+                    "is replaced)"
+                )
+                run.updates["checkpoint_step"] = None
             run.pending = [r for r in run.pending if r.step >= msg["start_step"]]
             run.new_warnings += list(msg["device"].get("warnings", []))
             run.updates.update(
@@ -327,6 +337,16 @@ class Supervisor:
                     return True
                 run.cancel_requested = run.cancel_requested or renewal.cancel_requested
                 job = jobs.get_job(session, run.job_id)
+                if run.missing_checkpoint is not None:
+                    job.notes = [*job.notes, run.missing_checkpoint]
+                    job.attempt_errors = [
+                        *job.attempt_errors,
+                        {
+                            "attempt": run.attempt,
+                            "error": run.missing_checkpoint,
+                            "at": renewal.now.isoformat(),
+                        },
+                    ]
                 if run.truncate_at is not None:
                     history.truncate_after(session, job, run.truncate_at)
                 for key, value in run.updates.items():
@@ -380,6 +400,7 @@ class Supervisor:
         run.new_warnings = []
         run.new_forensics = []
         run.truncate_at = None
+        run.missing_checkpoint = None
         run.last_sync = time.monotonic()
         return True
 
