@@ -59,6 +59,8 @@ def create_job(
         backoff_count=0,
         nonfinite_loss_count=0,
         steps_recorded=0,
+        overflows_recorded=0,
+        backoffs_recorded=0,
         metrics={},
         precision_report=[],
         forensics=[],

@@ -71,8 +71,8 @@ class DatabaseCollector(Collector):
             steps, overflows, backoffs = s.execute(
                 select(
                     func.coalesce(func.sum(Job.steps_recorded), 0),
-                    func.coalesce(func.sum(Job.overflow_count), 0),
-                    func.coalesce(func.sum(Job.backoff_count), 0),
+                    func.coalesce(func.sum(Job.overflows_recorded), 0),
+                    func.coalesce(func.sum(Job.backoffs_recorded), 0),
                 )
             ).one()
             durations = s.execute(_durations_query(self.db.dialect)).all()

@@ -94,28 +94,44 @@ def test_a_scrape_reads_a_few_rows_however_many_jobs_have_finished(
             assert metrics[key] == sum(1 for d in seconds if d <= bound), (status, bound)
 
 
-def test_steps_recorded_only_grows_when_a_resume_cuts_history_back(
+def test_the_step_counters_only_grow_when_a_resume_cuts_history_back(
     db: Database, client: TestClient
 ) -> None:
     def records(steps: range) -> list[StepRecord]:
-        return [StepRecord(s, 0, 1.0, 1024.0, True) for s in steps]
+        # Every tenth step overflows (and so backs the scale off), the rest are clean.
+        out, scale = [], 1024.0
+        for s in steps:
+            out.append(StepRecord(s, 0, 1.0, scale, s % 10 != 9))
+            scale = scale / 2 if s % 10 == 9 else scale
+        return out
 
     with db.write() as s:
         submitted = SubmitResult(spec=JobSpec(), warnings=[], notes=[])
         job_id = jobs.create_job(s, owner="alice", submitted=submitted, now=utcnow()).id
-    seen: list[float] = []
+    seen: list[tuple[float, float, float]] = []
 
     def write(action: Any) -> None:
         with db.write() as s:
             job = s.get(Job, job_id)
             assert job is not None
             action(s, job)
-        seen.append(scrape(client)["halfway_steps_recorded_total[]"])
+        m = scrape(client)
+        seen.append(
+            (
+                m["halfway_steps_recorded_total[]"],
+                m["halfway_overflow_steps_total[]"],
+                m["halfway_loss_scale_backoffs_total[]"],
+            )
+        )
 
-    write(lambda s, job: history.write_steps(s, job, records(range(100)), now=utcnow()))
+    first = records(range(100))
+    write(lambda s, job: history.write_steps(s, job, first, now=utcnow()))
     # The batch sent again after a lost acknowledgement is not counted twice.
-    write(lambda s, job: history.write_steps(s, job, records(range(90, 100)), now=utcnow()))
-    # A resumed attempt: history from its checkpoint (step 64) on is replaced, then rewritten.
+    write(lambda s, job: history.write_steps(s, job, first[90:], now=utcnow()))
+    # A resumed attempt: history from its checkpoint (step 64) on is replaced, then rewritten
+    # (the same steps trained again, and 20 more).
     write(lambda s, job: history.truncate_after(s, job, 64))
-    write(lambda s, job: history.write_steps(s, job, records(range(64, 120)), now=utcnow()))
-    assert seen == [100, 100, 100, 156]
+    write(lambda s, job: history.write_steps(s, job, records(range(120))[64:], now=utcnow()))
+    # 100 steps, 10 overflows, 9 backoffs (the one after step 99 shows at step 100); then
+    # steps 64..119 again: 56 steps, 6 overflows, and the backoffs at 70, 80, ..., 110.
+    assert seen == [(100, 10, 9), (100, 10, 9), (100, 10, 9), (156, 16, 14)]

@@ -144,19 +144,23 @@ def test_0002_drops_the_step_foreign_key_and_keeps_every_row(empty_database: str
     db.dispose()
 
 
-def test_0004_counts_the_steps_existing_jobs_hold_and_downgrades(empty_database: str) -> None:
+def test_0004_counts_what_existing_jobs_hold_and_downgrades(empty_database: str) -> None:
     db = Database.connect(empty_database)
     migrate.upgrade(db.engine, "0002")
-    trained = add_job_at_an_older_revision(db, last_step=41)
+    trained = add_job_at_an_older_revision(db, last_step=41, overflow_count=3, backoff_count=2)
     fresh = add_job_at_an_older_revision(db)
 
-    def counted() -> list[tuple[int, int]]:
+    def counted() -> list[tuple[int, ...]]:
         with db.engine.connect() as conn:
-            query = text("SELECT id, steps_recorded FROM job ORDER BY id")
-            return [(int(i), int(n)) for i, n in conn.execute(query)]
+            query = text(
+                "SELECT id, steps_recorded, overflows_recorded, backoffs_recorded "
+                "FROM job ORDER BY id"
+            )
+            return [tuple(int(v) for v in row) for row in conn.execute(query)]
 
     migrate.upgrade(db.engine)
-    assert counted() == [(trained, 42), (fresh, 0)]
+    assert counted() == [(trained, 42, 3, 2), (fresh, 0, 0, 0)]
     migrate.downgrade(db.engine, "0002")
-    assert "steps_recorded" not in {c["name"] for c in inspect(db.engine).get_columns("job")}
+    columns = {c["name"] for c in inspect(db.engine).get_columns("job")}
+    assert not columns & {"steps_recorded", "overflows_recorded", "backoffs_recorded"}
     db.dispose()
