@@ -103,13 +103,20 @@ def stop(wrapper: subprocess.Popen[bytes], pid1: int, log: Path, grace: float) -
     return time.monotonic() - started
 
 
+def embedded_worker_command() -> list[str]:
+    """`halfway serve` as a single container runs it: the API with its embedded worker."""
+    return [str(BIN / "halfway"), "serve", "--port", str(free_port())]
+
+
 @pytest.mark.keras
+@pytest.mark.parametrize("command", ["worker-cpu", "serve"])
 def test_a_worker_that_is_pid_1_trains_a_job_to_succeeded_and_stops_on_sigterm(
-    api: Api, settings: Settings, tmp_path: Path
+    api: Api, settings: Settings, tmp_path: Path, command: str
 ) -> None:
     job_id = api.post("/v1/jobs", json=SMALL).json()["id"]
     log = tmp_path / "worker.log"
-    wrapper = as_pid1(compose_command("worker-cpu"), settings, log)
+    argv = compose_command(command) if command == "worker-cpu" else embedded_worker_command()
+    wrapper = as_pid1(argv, settings, log)
     try:
         pid1 = inner_pid(wrapper)
         assert namespace_pid(pid1) == 1
