@@ -106,6 +106,8 @@ def serve(
         )
     else:
         with db.write() as session:
+            # Under the schema lock: servers starting together create one admin, not two.
+            migrate.hold_lock(session.connection())
             first = not auth.any_users(session)
             token = auth.add_user(session, "admin", admin=True) if first else None
         if token is not None:

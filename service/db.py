@@ -70,6 +70,11 @@ def _configure_sqlite(engine: Engine) -> None:
         conn.exec_driver_sql(f"BEGIN {mode}")
 
 
+def sqlite_begin_immediate(engine: Engine) -> Engine:
+    """The engine, its transactions taking SQLite's write lock at BEGIN (a no-op elsewhere)."""
+    return engine.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+
+
 def is_sqlite(engine: Engine) -> bool:
     return engine.dialect.name == "sqlite"
 
@@ -86,7 +91,7 @@ class Database:
     @classmethod
     def connect(cls, url: str) -> Database:
         engine = make_engine(url)
-        write_bind = engine.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+        write_bind = sqlite_begin_immediate(engine)
         return cls(
             engine=engine,
             sessions=sessionmaker(bind=engine, expire_on_commit=False),

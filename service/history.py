@@ -173,6 +173,12 @@ def write_steps(
     seen = job.last_step if job.last_step is not None else -1
     fresh = [r for r in records if r.step > seen]
     fresh_events = [e for e in events if e["step"] > seen]
+    overflows = sum(1 for r in fresh if not r.finite)
+    backoffs = sum(1 for e in fresh_events if e["reason"] == "overflow")
+    # What /metrics counts only grows: a truncation recomputes the summary, never these.
+    job.steps_recorded += len(fresh)
+    job.overflows_recorded += overflows
+    job.backoffs_recorded += backoffs
     if fresh:
         last = fresh[-1]
         job.last_step = last.step
@@ -183,10 +189,10 @@ def write_steps(
         job.min_loss_scale = (
             batch_min if job.min_loss_scale is None else min(job.min_loss_scale, batch_min)
         )
-        job.overflow_count += sum(1 for r in fresh if not r.finite)
+        job.overflow_count += overflows
         job.nonfinite_loss_count += sum(1 for r in fresh if not math.isfinite(r.loss))
         job.growth_count += sum(1 for e in fresh_events if e["reason"] == "growth")
-        job.backoff_count += sum(1 for e in fresh_events if e["reason"] == "overflow")
+        job.backoff_count += backoffs
     if steps_per_second is not None:
         job.steps_per_second = steps_per_second
     job.updated_at = now

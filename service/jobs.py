@@ -12,12 +12,13 @@ Functions take a Session and flush; the caller owns the transaction.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
+from service.dbclock import db_now
 from service.errors import Conflict, NotFound
 from service.models import FINISHED_STATUSES, Job
 from service.schemas import SubmitResult
@@ -57,6 +58,9 @@ def create_job(
         growth_count=0,
         backoff_count=0,
         nonfinite_loss_count=0,
+        steps_recorded=0,
+        overflows_recorded=0,
+        backoffs_recorded=0,
         metrics={},
         precision_report=[],
         forensics=[],
@@ -147,12 +151,17 @@ class Claim:
     checkpoint_step: int | None
 
 
-def _claimable(now: datetime) -> Any:
+# Every time below comes from the database's clock (db_now): a lease is compared with times
+# that other hosts wrote, so a worker whose clock is off must neither steal a live lease nor
+# write one that others see as expired. Tests drive expiry by writing lease_expires_at.
+
+
+def _claimable() -> Any:
     return or_(
         Job.status == "queued",
         and_(
             Job.status == "running",
-            Job.lease_expires_at < now,
+            Job.lease_expires_at < db_now(),
             Job.attempt < Job.max_attempts,
             Job.cancel_requested.is_(False),
         ),
@@ -163,7 +172,6 @@ def claim_next(
     session: Session,
     *,
     worker_id: str,
-    now: datetime,
     lease_seconds: float,
     gpus_held: int,
     max_running_per_user: int = 0,
@@ -182,14 +190,14 @@ def claim_next(
         .where(
             other.owner == Job.owner,
             other.status == "running",
-            other.lease_expires_at >= now,
+            other.lease_expires_at >= db_now(),
         )
         .correlate(Job)
         .scalar_subquery()
     )
     candidate = (
         select(Job.id)
-        .where(_claimable(now), or_(Job.gpus.is_(None), Job.gpus <= gpus_held))
+        .where(_claimable(), or_(Job.gpus.is_(None), Job.gpus <= gpus_held))
         .order_by(Job.priority.desc(), running_for_owner, Job.created_at, Job.id)
         .limit(1)
     )
@@ -199,14 +207,14 @@ def claim_next(
         candidate = candidate.with_for_update(skip_locked=True, of=Job)
     row = session.execute(
         update(Job)
-        .where(Job.id == candidate.scalar_subquery(), _claimable(now))
+        .where(Job.id == candidate.scalar_subquery(), _claimable())
         .values(
             status="running",
             worker_id=worker_id,
-            lease_expires_at=now + timedelta(seconds=lease_seconds),
+            lease_expires_at=db_now(lease_seconds),
             attempt=Job.attempt + 1,
-            started_at=func.coalesce(Job.started_at, now),
-            updated_at=now,
+            started_at=func.coalesce(Job.started_at, db_now()),
+            updated_at=db_now(),
         )
         .returning(Job.id, Job.attempt, Job.spec, Job.checkpoint_step)
         .execution_options(synchronize_session=False)
@@ -216,19 +224,25 @@ def claim_next(
     return Claim(job_id=row[0], attempt=row[1], spec=row[2], checkpoint_step=row[3])
 
 
+@dataclass(frozen=True)
+class Renewal:
+    cancel_requested: bool
+    now: datetime  # the database's time of the renewal, for whatever the transaction writes
+
+
 def renew_lease(
-    session: Session, *, job_id: int, worker_id: str, now: datetime, lease_seconds: float
-) -> bool | None:
-    """Extend our lease. Returns ``cancel_requested``, or None if the job is no longer ours
-    (fenced: another worker reclaimed it, or it was finished elsewhere)."""
+    session: Session, *, job_id: int, worker_id: str, lease_seconds: float
+) -> Renewal | None:
+    """Extend our lease. None if the job is no longer ours (fenced: another worker reclaimed
+    it, or it was finished elsewhere)."""
     row = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.worker_id == worker_id, Job.status == "running")
-        .values(lease_expires_at=now + timedelta(seconds=lease_seconds), updated_at=now)
-        .returning(Job.cancel_requested)
+        .values(lease_expires_at=db_now(lease_seconds), updated_at=db_now())
+        .returning(Job.cancel_requested, Job.updated_at)
         .execution_options(synchronize_session=False)
     ).one_or_none()
-    return None if row is None else bool(row[0])
+    return None if row is None else Renewal(cancel_requested=bool(row[0]), now=row[1])
 
 
 def finish(
@@ -237,15 +251,14 @@ def finish(
     job_id: int,
     worker_id: str,
     status: str,
-    now: datetime,
     error: str | None = None,
 ) -> bool:
     """End a running job we hold. False if it is not ours any more."""
     assert status in FINISHED_STATUSES
     values: dict[str, Any] = {
         "status": status,
-        "finished_at": now,
-        "updated_at": now,
+        "finished_at": db_now(),
+        "updated_at": db_now(),
         "lease_expires_at": None,
     }
     if error is not None:
@@ -259,27 +272,42 @@ def finish(
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
+def held_job(session: Session, *, job_id: int, worker_id: str) -> tuple[Job, datetime] | None:
+    """The job row, locked, and the database's time, if ``worker_id`` still holds the job;
+    None otherwise. What a worker writes into a job it holds is fenced by this."""
+    row = session.execute(
+        select(Job, db_now())
+        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status == "running")
+        .with_for_update(of=Job)
+    ).one_or_none()
+    return None if row is None else (row[0], row[1])
+
+
 def record_attempt_error(
-    session: Session, *, job_id: int, attempt: int, error: str, now: datetime
-) -> None:
-    job = get_job(session, job_id)
+    session: Session, *, job_id: int, worker_id: str, attempt: int, error: str
+) -> bool:
+    """Append an attempt's failure to the job, only while ``worker_id`` holds it: a worker
+    whose lease was taken over must not write into the new owner's attempt. False if not."""
+    held = held_job(session, job_id=job_id, worker_id=worker_id)
+    if held is None:
+        return False
+    job, now = held
     job.attempt_errors = [
         *job.attempt_errors,
         {"attempt": attempt, "error": error, "at": now.isoformat()},
     ]
     session.flush()
+    return True
 
 
-def requeue(
-    session: Session, *, job_id: int, worker_id: str, now: datetime, count_attempt: bool = True
-) -> bool:
+def requeue(session: Session, *, job_id: int, worker_id: str, count_attempt: bool = True) -> bool:
     """Put a running job we hold back in the queue (a retry, or a worker shutting down).
     ``count_attempt=False`` gives the attempt back: the job did not fail."""
     values: dict[str, Any] = {
         "status": "queued",
         "worker_id": None,
         "lease_expires_at": None,
-        "updated_at": now,
+        "updated_at": db_now(),
     }
     if not count_attempt:
         values["attempt"] = Job.attempt - 1
@@ -292,14 +320,15 @@ def requeue(
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
-def expire_abandoned(session: Session, now: datetime) -> int:
+def expire_abandoned(session: Session) -> int:
     """Finish running jobs whose worker vanished and that may not be retried: out of
     attempts (failed) or already asked to cancel (cancelled)."""
-    stale = and_(Job.status == "running", Job.lease_expires_at < now)
+    stale = and_(Job.status == "running", Job.lease_expires_at < db_now())
+    ended = {"finished_at": db_now(), "updated_at": db_now(), "lease_expires_at": None}
     cancelled = session.execute(
         update(Job)
         .where(stale, Job.cancel_requested.is_(True))
-        .values(status="cancelled", finished_at=now, updated_at=now, lease_expires_at=None)
+        .values(status="cancelled", **ended)
         .execution_options(synchronize_session=False)
     )
     failed = session.execute(
@@ -307,10 +336,8 @@ def expire_abandoned(session: Session, now: datetime) -> int:
         .where(stale, Job.attempt >= Job.max_attempts)
         .values(
             status="failed",
-            finished_at=now,
-            updated_at=now,
-            lease_expires_at=None,
             error=func.coalesce(Job.error, "worker lost (lease expired) on the last attempt"),
+            **ended,
         )
         .execution_options(synchronize_session=False)
     )

@@ -171,6 +171,10 @@ class Job(Base):
     growth_count: Mapped[int] = mapped_column(Integer, default=0)
     backoff_count: Mapped[int] = mapped_column(Integer, default=0)
     nonfinite_loss_count: Mapped[int] = mapped_column(Integer, default=0)
+    # Only grow (a step a resumed attempt trains again counts again): /metrics' counters.
+    steps_recorded: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    overflows_recorded: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    backoffs_recorded: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     steps_per_second: Mapped[float | None] = mapped_column(Float, nullable=True)
     guard_warning: Mapped[str | None] = mapped_column(Text, nullable=True)
     checkpoint_step: Mapped[int | None] = mapped_column(Integer, nullable=True)

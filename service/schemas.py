@@ -568,6 +568,12 @@ class FaultsSpec(StrictModel):
     hang_at_step: int | None = Field(
         default=None, ge=0, le=10**9, description="Stop making progress at this step."
     )
+    crash_attempts: list[Annotated[int, Field(ge=1, le=1000)]] | None = Field(
+        default=None,
+        max_length=100,
+        description="The attempts on which crash_at_step and hang_at_step happen (default: "
+        "every attempt): [1] rehearses a crash and the resumed attempt that recovers from it.",
+    )
 
     @field_validator("nonfinite_at_steps")
     @classmethod

@@ -5,8 +5,11 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
+from sqlalchemy import update
+
 from service import jobs
 from service.db import Database
+from service.dbclock import db_now
 from service.models import Job, utcnow
 from service.schemas import JobSpec, SubmitResult
 
@@ -24,17 +27,27 @@ def make_jobs(db: Database, n: int, owner: str = "alice", **spec: object) -> lis
     return ids
 
 
-def claim(
-    db: Database, worker: str, now: object = None, gpus: int = 0, **kw: object
-) -> jobs.Claim | None:
+def claim(db: Database, worker: str, gpus: int = 0, **kw: object) -> jobs.Claim | None:
     with db.write() as s:
         return jobs.claim_next(
             s,
             worker_id=worker,
-            now=now or utcnow(),  # type: ignore[arg-type]
             lease_seconds=30,
             gpus_held=gpus,
             **kw,  # type: ignore[arg-type]
+        )
+
+
+def age_lease(db: Database, job_id: int, seconds: float) -> None:
+    """Time passing for a lease, without sleeping: move its expiry ``seconds`` earlier, on
+    the database's clock (the only one leases are read with)."""
+    with db.write() as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.lease_expires_at is not None
+        s.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(lease_expires_at=job.lease_expires_at - timedelta(seconds=seconds))
         )
 
 
@@ -80,58 +93,61 @@ def test_claim_order_is_priority_then_age(db: Database) -> None:
 
 def test_expired_lease_is_reclaimed_with_attempt_plus_one(db: Database) -> None:
     (job_id,) = make_jobs(db, 1)
-    now = utcnow()
-    first = claim(db, "dead", now=now)
+    first = claim(db, "dead")
     assert first is not None and first.attempt == 1
-    assert claim(db, "other", now=now + timedelta(seconds=10)) is None  # lease still valid
-    second = claim(db, "other", now=now + timedelta(seconds=31))
+    age_lease(db, job_id, 10)
+    assert claim(db, "other") is None  # lease still valid
+    age_lease(db, job_id, 21)
+    second = claim(db, "other")
     assert second is not None and second.job_id == job_id and second.attempt == 2
 
 
 def test_renewal_is_fenced_to_the_lease_holder(db: Database) -> None:
     (job_id,) = make_jobs(db, 1)
-    now = utcnow()
-    claim(db, "w1", now=now)
+    claim(db, "w1")
     with db.write() as s:
-        assert (
-            jobs.renew_lease(s, job_id=job_id, worker_id="w1", now=now, lease_seconds=30) is False
-        )
-        assert jobs.renew_lease(s, job_id=job_id, worker_id="w2", now=now, lease_seconds=30) is None
-    # w1 vanished; w2 reclaims; w1's late renewal and finish are refused.
-    later = now + timedelta(seconds=40)
-    assert claim(db, "w2", now=later) is not None
+        renewal = jobs.renew_lease(s, job_id=job_id, worker_id="w1", lease_seconds=30)
+        assert renewal is not None and renewal.cancel_requested is False
+        assert jobs.renew_lease(s, job_id=job_id, worker_id="w2", lease_seconds=30) is None
+    # w1 vanished; w2 reclaims; w1's late renewal, attempt error and finish are refused.
+    age_lease(db, job_id, 40)
+    assert claim(db, "w2") is not None
     with db.write() as s:
-        assert (
-            jobs.renew_lease(s, job_id=job_id, worker_id="w1", now=later, lease_seconds=30) is None
+        assert jobs.renew_lease(s, job_id=job_id, worker_id="w1", lease_seconds=30) is None
+        assert not jobs.record_attempt_error(
+            s, job_id=job_id, worker_id="w1", attempt=1, error="late"
         )
-        assert not jobs.finish(s, job_id=job_id, worker_id="w1", status="succeeded", now=later)
-        assert jobs.finish(s, job_id=job_id, worker_id="w2", status="succeeded", now=later)
+        assert not jobs.finish(s, job_id=job_id, worker_id="w1", status="succeeded")
+        assert jobs.finish(s, job_id=job_id, worker_id="w2", status="succeeded")
     with db.read() as s:
         job = s.get(Job, job_id)
         assert job is not None and job.status == "succeeded" and job.lease_expires_at is None
+        assert job.attempt_errors == []
 
 
 def test_renewal_reports_a_cancel_request(db: Database) -> None:
     (job_id,) = make_jobs(db, 1)
-    now = utcnow()
-    claim(db, "w1", now=now)
+    claim(db, "w1")
     with db.write() as s:
-        jobs.request_cancel(s, job_id, now)
+        jobs.request_cancel(s, job_id, utcnow())
     with db.write() as s:
-        assert jobs.renew_lease(s, job_id=job_id, worker_id="w1", now=now, lease_seconds=30) is True
+        renewal = jobs.renew_lease(s, job_id=job_id, worker_id="w1", lease_seconds=30)
+        assert renewal is not None and renewal.cancel_requested is True
 
 
 def test_abandoned_jobs_out_of_attempts_fail_and_cancelled_ones_end_cancelled(db: Database) -> None:
     spent, asked = make_jobs(db, 2, max_attempts=1)
-    now = utcnow()
-    claim(db, "gone", now=now)
-    claim(db, "gone", now=now)
+    claim(db, "gone")
+    claim(db, "gone")
     with db.write() as s:
-        jobs.request_cancel(s, asked, now)
-    later = now + timedelta(seconds=60)
+        jobs.request_cancel(s, asked, utcnow())
     with db.write() as s:
-        assert jobs.expire_abandoned(s, later) == 2
-    assert claim(db, "w", now=later) is None
+        assert jobs.expire_abandoned(s) == 0  # both leases are live
+    age_lease(db, spent, 60)
+    age_lease(db, asked, 60)
+    with db.write() as s:
+        assert jobs.expire_abandoned(s) == 2
+    assert claim(db, "w") is None
     with db.read() as s:
         a, b = s.get(Job, spent), s.get(Job, asked)
         assert a is not None and a.status == "failed" and "lease expired" in (a.error or "")
@@ -140,11 +156,10 @@ def test_abandoned_jobs_out_of_attempts_fail_and_cancelled_ones_end_cancelled(db
 
 def test_requeue_puts_the_job_back_and_can_give_the_attempt_back(db: Database) -> None:
     (job_id,) = make_jobs(db, 1)
-    now = utcnow()
-    claim(db, "w", now=now)
+    claim(db, "w")
     with db.write() as s:
-        assert jobs.requeue(s, job_id=job_id, worker_id="w", now=now, count_attempt=False)
-    again = claim(db, "w", now=now)
+        assert jobs.requeue(s, job_id=job_id, worker_id="w", count_attempt=False)
+    again = claim(db, "w")
     assert again is not None and again.attempt == 1
 
 
@@ -157,3 +172,19 @@ def test_gpu_jobs_are_claimed_only_by_workers_holding_enough(db: Database) -> No
     assert claim(db, "cpu-worker", gpus=0) is None
     assert claim(db, "one-gpu", gpus=1) is None
     assert claim(db, "two-gpus", gpus=2).job_id == two  # type: ignore[union-attr]
+
+
+def test_leases_are_written_and_read_on_the_database_clock(db: Database) -> None:
+    (job_id,) = make_jobs(db, 1)
+    with db.read() as s:
+        before = s.scalar(db_now().select())
+    claimed = claim(db, "w")
+    assert claimed is not None
+    with db.read() as s:
+        job = s.get(Job, job_id)
+        after = s.scalar(db_now().select())
+        assert job is not None and job.lease_expires_at is not None and job.started_at
+        assert before is not None and after is not None
+        assert before + timedelta(seconds=30) <= job.lease_expires_at
+        assert job.lease_expires_at <= after + timedelta(seconds=30)
+        assert before <= job.started_at <= after

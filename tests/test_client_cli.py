@@ -73,17 +73,17 @@ def finish_directly(
     training: for the commands that only read what a finished job left behind."""
     now = utcnow()
     with live.db.write() as s:
-        claim = jobs.claim_next(s, worker_id="test-worker", now=now, lease_seconds=30, gpus_held=0)
+        claim = jobs.claim_next(s, worker_id="test-worker", lease_seconds=30, gpus_held=0)
         assert claim is not None and claim.job_id == job_id
         job = s.get(Job, job_id)
         assert job is not None
         job.total_steps = len(records)
         history.write_steps(s, job, records, now=now)
         if error is not None:
-            jobs.record_attempt_error(s, job_id=job_id, attempt=1, error=error, now=now)
-        assert jobs.finish(
-            s, job_id=job_id, worker_id="test-worker", status=status, now=now, error=error
-        )
+            assert jobs.record_attempt_error(
+                s, job_id=job_id, worker_id="test-worker", attempt=1, error=error
+            )
+        assert jobs.finish(s, job_id=job_id, worker_id="test-worker", status=status, error=error)
     if log is not None:
         folder = live.settings.resolved_artifact_dir() / str(job_id)
         folder.mkdir(parents=True, exist_ok=True)

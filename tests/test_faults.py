@@ -129,6 +129,8 @@ def test_api_killed_and_restarted_while_clients_submit_keeps_every_acknowledged_
     served: dict[str, Any], db: Database
 ) -> None:
     acknowledged: list[tuple[str, int]] = []
+    per_client = [0, 0, 0, 0]  # answers each client got
+    refused = [0]  # requests that met no server: the kill really hit the clients
     lock = threading.Lock()
     stop = threading.Event()
     headers = {"Authorization": f"Bearer {served['token']}"}
@@ -144,29 +146,45 @@ def test_api_killed_and_restarted_while_clients_submit_keeps_every_acknowledged_
                             "/v1/jobs", json={"name": f"c{n}"}, headers={"Idempotency-Key": key}
                         )
                     except httpx.TransportError:
+                        with lock:
+                            refused[0] += 1
                         time.sleep(0.05)
                         continue
                     if r.status_code in (200, 201):
                         with lock:
                             acknowledged.append((key, r.json()["id"]))
+                            per_client[n] += 1
                         break
                     if r.status_code == 503:
                         time.sleep(0.05)
                         continue
                     raise AssertionError(f"unexpected {r.status_code}: {r.text}")
 
+    def every_client_answered(beyond: list[int]) -> None:
+        """Wait until each client has had 10 more answers than ``beyond``."""
+        deadline = time.monotonic() + 60
+        while any(got < before + 10 for got, before in zip(per_client, beyond, strict=True)):
+            assert time.monotonic() < deadline, f"answers per client: {per_client}"
+            assert all(t.is_alive() for t in threads), "a client failed"
+            time.sleep(0.01)
+
     threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.5)
-    before_kill = len(acknowledged)
+    # Killed while all four clients are sending: each has had answers and keeps going.
+    every_client_answered([0, 0, 0, 0])
     served["proc"].send_signal(signal.SIGKILL)
     served["proc"].wait()
+    with lock:
+        before_kill, at_kill = len(acknowledged), list(per_client)
     served["proc"] = served["start"]()
-    time.sleep(1.5)
+    # The restarted server answers every client again (their retried keys, then new ones).
+    every_client_answered(at_kill)
     stop.set()
     for t in threads:
         t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert refused[0] > 0, "no request met the dead server"
     assert before_kill > 0 and len(acknowledged) > before_kill
     ids = {job_id for _, job_id in acknowledged}
     with db.read() as s:

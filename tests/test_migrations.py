@@ -7,17 +7,17 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import MetaData, Table, create_engine, insert, inspect, text
 from sqlalchemy.engine import make_url
 
-from service import jobs, migrate
+from service import migrate
 from service.db import Database, normalize_url
 from service.models import Base, utcnow
-from service.schemas import JobSpec, SubmitResult
 
 PG_URL = os.environ.get("HALFWAY_TEST_DATABASE_URL")
 
@@ -39,6 +39,39 @@ def empty_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[s
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+def add_job_at_an_older_revision(db: Database, **values: Any) -> int:
+    """A job row in the columns the job table has at the database's (older) revision: the ORM
+    model is the head's and would write columns that do not exist yet."""
+    now = utcnow()
+    row: dict[str, Any] = {
+        "owner": "ada",
+        "name": "job",
+        "status": "queued",
+        "spec": {},
+        "warnings": [],
+        "notes": [],
+        "priority": 50,
+        "attempt": 0,
+        "max_attempts": 3,
+        "cancel_requested": False,
+        "attempt_errors": [],
+        "created_at": now,
+        "updated_at": now,
+        "overflow_count": 0,
+        "growth_count": 0,
+        "backoff_count": 0,
+        "nonfinite_loss_count": 0,
+        "metrics": {},
+        "precision_report": [],
+        "forensics": [],
+        "device": {},
+        **values,
+    }
+    with db.engine.begin() as conn:
+        table = Table("job", MetaData(), autoload_with=conn)
+        return int(conn.execute(insert(table).values(row).returning(table.c.id)).scalar_one())
 
 
 def test_upgrade_empty_database_matches_models(empty_database: str) -> None:
@@ -76,13 +109,7 @@ def test_upgrade_twice_is_a_no_op(empty_database: str) -> None:
 def test_0002_drops_the_step_foreign_key_and_keeps_every_row(empty_database: str) -> None:
     db = Database.connect(empty_database)
     migrate.upgrade(db.engine, "0001")
-    with db.write() as session:  # the job table is the same at 0001 and at head
-        job_id = jobs.create_job(
-            session,
-            owner="ada",
-            submitted=SubmitResult(spec=JobSpec(), warnings=[], notes=[]),
-            now=utcnow(),
-        ).id
+    job_id = add_job_at_an_older_revision(db)
     with db.engine.begin() as conn:
         conn.execute(
             text("INSERT INTO step VALUES (:j, :s, 0, :loss, 1024.0, :finite)"),
@@ -114,4 +141,26 @@ def test_0002_drops_the_step_foreign_key_and_keeps_every_row(empty_database: str
         assert "WITHOUT ROWID" in str(sql)
     migrate.downgrade(db.engine, "0001")
     assert rows() == before and foreign_keys() == ["job"]
+    db.dispose()
+
+
+def test_0004_counts_what_existing_jobs_hold_and_downgrades(empty_database: str) -> None:
+    db = Database.connect(empty_database)
+    migrate.upgrade(db.engine, "0002")
+    trained = add_job_at_an_older_revision(db, last_step=41, overflow_count=3, backoff_count=2)
+    fresh = add_job_at_an_older_revision(db)
+
+    def counted() -> list[tuple[int, ...]]:
+        with db.engine.connect() as conn:
+            query = text(
+                "SELECT id, steps_recorded, overflows_recorded, backoffs_recorded "
+                "FROM job ORDER BY id"
+            )
+            return [tuple(int(v) for v in row) for row in conn.execute(query)]
+
+    migrate.upgrade(db.engine)
+    assert counted() == [(trained, 42, 3, 2), (fresh, 0, 0, 0)]
+    migrate.downgrade(db.engine, "0002")
+    columns = {c["name"] for c in inspect(db.engine).get_columns("job")}
+    assert not columns & {"steps_recorded", "overflows_recorded", "backoffs_recorded"}
     db.dispose()

@@ -194,6 +194,33 @@ def test_lost_lease_kills_the_child_and_leaves_the_job_to_its_new_owner(
     assert job.status == "running" and job.worker_id == "someone-else"
 
 
+def test_an_attempt_that_ends_after_its_lease_was_taken_over_writes_nothing_into_the_job(
+    db: Database, settings: Settings
+) -> None:
+    """The outcome is recorded in a transaction of its own after the last renewal; if another
+    worker reclaimed the job in between, neither the failure nor the requeue is ours."""
+    from workers.supervisor import Outcome, _Run
+
+    sup = Supervisor(db, settings, trainer=fakes.trainer, worker_id="w")
+    job_id = make_job(db, {})
+    with db.write() as s:
+        claim = jobs.claim_next(s, worker_id="w", lease_seconds=30, gpus_held=0)
+        assert claim is not None and claim.job_id == job_id
+    with db.write() as s:  # w's lease ran out and "new-owner" reclaimed the job (attempt 2)
+        job = s.get(Job, job_id)
+        assert job is not None
+        job.worker_id, job.attempt = "new-owner", 2
+    outcome = sup._record_outcome(_Run(job_id=job_id, attempt=1), Outcome("retry", "boom"))
+    assert outcome.status == "lost"
+    job = load(db, job_id)
+    assert (job.status, job.worker_id, job.attempt, job.attempt_errors) == (
+        "running",
+        "new-owner",
+        2,
+        [],
+    )
+
+
 def test_json_logs_carry_the_job_and_worker_ids(db: Database, settings: Settings) -> None:
     import json
     import logging

@@ -20,7 +20,7 @@ from workers.protocol import JobError
 
 
 def run(payload: dict[str, Any], conn: Connection) -> None:
-    _die_with_parent()
+    _die_with_parent(payload.get("supervisor_pid"))
     job_dir = Path(payload["job_dir"])
     job_dir.mkdir(parents=True, exist_ok=True)
     _redirect_output(job_dir / "train.log")
@@ -46,6 +46,7 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
                 flush_seconds=payload.get("flush_seconds", 0.5),
                 gpu_ids=gpu_ids,
                 resume_step=payload.get("resume_step"),
+                attempt=payload.get("attempt") or 1,
                 max_parameters=payload.get("max_parameters"),
             )
         )
@@ -75,9 +76,12 @@ def device_env(gpu_ids: list[int]) -> dict[str, str]:
     }
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(supervisor_pid: int | None) -> None:
     """Ask Linux to SIGKILL us if the supervisor dies, so an orphan never keeps training (and
-    holding a GPU) while another worker reclaims the job."""
+    holding a GPU) while another worker reclaims the job.
+
+    The supervisor hands us its pid: "my parent is now PID 1" does not mean it died when the
+    supervisor itself is PID 1 (a container without an init process)."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -85,8 +89,8 @@ def _die_with_parent() -> None:
     pr_set_pdeathsig = 1
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
+    if supervisor_pid is not None and os.getppid() != supervisor_pid:
+        os._exit(1)  # the supervisor died before prctl took effect: we were reparented
 
 
 def _redirect_output(path: Path) -> None:

@@ -20,7 +20,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ from service import history, jobs
 from service.db import Database
 from service.history import StepRecord
 from service.metrics import HISTORY_WRITE_LATENCY
-from service.models import utcnow
 from service.settings import Settings
 from workers import checkpoints, child, gpus
 from workers.protocol import Done, Message
@@ -39,7 +37,6 @@ from workers.protocol import Done, Message
 log = logging.getLogger("halfway.worker")
 
 Trainer = Callable[[dict[str, Any], Connection], None]
-Clock = Callable[[], datetime]
 
 SPAWN = multiprocessing.get_context("spawn")
 DB_RETRY_MAX_SECONDS = 5.0
@@ -63,6 +60,8 @@ class _Run:
 
     job_id: int
     attempt: int
+    resume_step: int | None = None  # the acknowledged checkpoint the attempt was given
+    missing_checkpoint: str | None = None  # why it started over instead, to record
     pending: list[StepRecord] = field(default_factory=list)
     updates: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] | None = None
@@ -94,7 +93,6 @@ class Supervisor:
         trainer: Trainer = child.run,
         worker_id: str | None = None,
         gpu_ids: list[int] | None = None,
-        clock: Clock = utcnow,
         memory_probe: gpus.MemoryProbe = gpus.used_memory_mib,
     ) -> None:
         self.db = db
@@ -102,7 +100,6 @@ class Supervisor:
         self.trainer = trainer
         self.worker_id = worker_id or new_worker_id()
         self.gpu_ids = list(gpu_ids or [])
-        self.clock = clock
         self.memory_probe = memory_probe
         self.stop_event = threading.Event()
         self.current_job: int | None = None
@@ -143,13 +140,11 @@ class Supervisor:
                 "GPUs %s still hold memory after the last job; not claiming yet", self.gpu_ids
             )
             return False
-        now = self.clock()
         with self.db.write() as session:
-            jobs.expire_abandoned(session, now)
+            jobs.expire_abandoned(session)
             claim = jobs.claim_next(
                 session,
                 worker_id=self.worker_id,
-                now=now,
                 lease_seconds=self.settings.lease_seconds,
                 gpus_held=len(self.gpu_ids),
                 max_running_per_user=self.settings.max_running_per_user,
@@ -183,6 +178,7 @@ class Supervisor:
         return {
             "job_id": claim.job_id,
             "attempt": claim.attempt,
+            "supervisor_pid": os.getpid(),
             "spec": claim.spec,
             "job_dir": str(self.job_dir(claim.job_id)),
             "data_dir": str(self.settings.resolved_data_dir()),
@@ -201,7 +197,7 @@ class Supervisor:
         return self.gpu_ids[:count]
 
     def _run_claim(self, claim: jobs.Claim) -> Outcome:
-        run = _Run(job_id=claim.job_id, attempt=claim.attempt)
+        run = _Run(job_id=claim.job_id, attempt=claim.attempt, resume_step=claim.checkpoint_step)
         gpu_ids = self._gpus_for(claim.spec)
         receiver, sender = SPAWN.Pipe(duplex=False)
         process = SPAWN.Process(
@@ -262,6 +258,14 @@ class Supervisor:
         elif msg["type"] == "started":
             run.started = True
             run.truncate_at = msg["start_step"]
+            if run.resume_step is not None and msg["start_step"] != run.resume_step:
+                run.missing_checkpoint = (
+                    f"attempt {run.attempt}: the acknowledged checkpoint of step "
+                    f"{run.resume_step} was missing from {self.job_dir(run.job_id)}, so the "
+                    f"job restarted from step {msg['start_step']} (its history from there on "
+                    "is replaced)"
+                )
+                run.updates["checkpoint_step"] = None
             run.pending = [r for r in run.pending if r.step >= msg["start_step"]]
             run.new_warnings += list(msg["device"].get("warnings", []))
             run.updates.update(
@@ -318,23 +322,31 @@ class Supervisor:
     def _sync(self, run: _Run) -> bool:
         """Write pending history and updates and renew the lease, in one transaction. Returns
         False if the database was unreachable (everything stays pending for the next try)."""
-        now = self.clock()
         pending = run.pending
         started = time.perf_counter()
         try:
             with self.db.write() as session:
-                cancel = jobs.renew_lease(
+                renewal = jobs.renew_lease(
                     session,
                     job_id=run.job_id,
                     worker_id=self.worker_id,
-                    now=now,
                     lease_seconds=self.settings.lease_seconds,
                 )
-                if cancel is None:
+                if renewal is None:
                     run.lease_lost = True
                     return True
-                run.cancel_requested = run.cancel_requested or cancel
+                run.cancel_requested = run.cancel_requested or renewal.cancel_requested
                 job = jobs.get_job(session, run.job_id)
+                if run.missing_checkpoint is not None:
+                    job.notes = [*job.notes, run.missing_checkpoint]
+                    job.attempt_errors = [
+                        *job.attempt_errors,
+                        {
+                            "attempt": run.attempt,
+                            "error": run.missing_checkpoint,
+                            "at": renewal.now.isoformat(),
+                        },
+                    ]
                 if run.truncate_at is not None:
                     history.truncate_after(session, job, run.truncate_at)
                 for key, value in run.updates.items():
@@ -354,7 +366,7 @@ class Supervisor:
                         *(w for w in run.new_warnings if w not in job.warnings),
                     ]
                 history.write_steps(
-                    session, job, pending, now=now, steps_per_second=run.steps_per_second
+                    session, job, pending, now=renewal.now, steps_per_second=run.steps_per_second
                 )
         except DBAPIError as exc:
             if run.db_down_since is None:
@@ -388,6 +400,7 @@ class Supervisor:
         run.new_warnings = []
         run.new_forensics = []
         run.truncate_at = None
+        run.missing_checkpoint = None
         run.last_sync = time.monotonic()
         return True
 
@@ -438,39 +451,42 @@ class Supervisor:
                 time.sleep(1.0)
 
     def _record_outcome(self, run: _Run, outcome: Outcome) -> Outcome:
-        now = self.clock()
+        lost = Outcome("lost", "the job was no longer ours when it ended")
         with self.db.write() as session:
-            if outcome.status in ("retry", "failed") and outcome.error:
-                jobs.record_attempt_error(
-                    session, job_id=run.job_id, attempt=run.attempt, error=outcome.error, now=now
+            if (
+                outcome.status in ("retry", "failed")
+                and outcome.error
+                and not jobs.record_attempt_error(
+                    session,
+                    job_id=run.job_id,
+                    worker_id=self.worker_id,
+                    attempt=run.attempt,
+                    error=outcome.error,
                 )
+            ):
+                return lost
             if outcome.status == "retry":
                 job = jobs.get_job(session, run.job_id)
                 if run.attempt < job.max_attempts:
-                    jobs.requeue(session, job_id=run.job_id, worker_id=self.worker_id, now=now)
-                    return outcome
+                    ok = jobs.requeue(session, job_id=run.job_id, worker_id=self.worker_id)
+                    return outcome if ok else lost
                 outcome = Outcome(
                     "failed",
                     f"{outcome.error} (attempt {run.attempt} of {job.max_attempts}; giving up)",
                 )
             if outcome.status == "released":
-                jobs.requeue(
-                    session,
-                    job_id=run.job_id,
-                    worker_id=self.worker_id,
-                    now=now,
-                    count_attempt=False,
+                ok = jobs.requeue(
+                    session, job_id=run.job_id, worker_id=self.worker_id, count_attempt=False
                 )
-                return outcome
+                return outcome if ok else lost
             ok = jobs.finish(
                 session,
                 job_id=run.job_id,
                 worker_id=self.worker_id,
                 status=outcome.status,
-                now=now,
                 error=outcome.error,
             )
             if not ok:
-                return Outcome("lost", "the job was no longer ours when it ended")
+                return lost
         checkpoints.remove_all(self.job_dir(run.job_id))
         return outcome

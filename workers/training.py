@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import math
 import os
 import statistics
@@ -46,6 +47,7 @@ class RunContext:
     flush_seconds: float = 0.5
     gpu_ids: list[int] = field(default_factory=list)
     resume_step: int | None = None  # the checkpoint the supervisor acknowledged
+    attempt: int = 1
     max_parameters: int | None = None  # the server's limit, for models sized only here
 
 
@@ -147,12 +149,15 @@ class Checkpointer:
     def path(self, step: int) -> Path:
         return checkpoint_path(self.directory, step)
 
-    def save(self, trainer: HalfwayTrainer, step: int) -> None:
+    def save(self, trainer: HalfwayTrainer, step: int, progress: Progress | None = None) -> None:
         arrays: dict[str, np.ndarray] = {}
         for i, w in enumerate(trainer.inner.variables):
             arrays[f"w{i}"] = np.asarray(w.numpy())
         for i, v in enumerate(trainer.optimizer.variables):
             arrays[f"o{i}"] = np.asarray(v.numpy())
+        if progress is not None:
+            arrays["progress"] = np.asarray(json.dumps(progress.counters))
+            arrays["guard_window"] = np.asarray(progress.guard_window, dtype=bool)
         target = self.path(step)
         tmp = target.with_name(target.name + ".part")
         with open(tmp, "wb") as f:
@@ -161,7 +166,8 @@ class Checkpointer:
             os.fsync(f.fileno())
         os.replace(tmp, target)
 
-    def restore(self, trainer: HalfwayTrainer, step: int) -> None:
+    def restore(self, trainer: HalfwayTrainer, step: int) -> Progress | None:
+        """Load the checkpoint into the trainer; its progress (None in an older one)."""
         with np.load(self.path(step), allow_pickle=False) as f:
             model_vars, opt_vars = trainer.inner.variables, trainer.optimizer.variables
             if sum(k.startswith("w") for k in f.files) != len(model_vars) or sum(
@@ -172,6 +178,19 @@ class Checkpointer:
                 w.assign(f[f"w{i}"])
             for i, v in enumerate(opt_vars):
                 v.assign(f[f"o{i}"])
+            if "progress" not in f.files:
+                return None
+            return Progress(json.loads(str(f["progress"])), f["guard_window"].tolist())
+
+
+@dataclass
+class Progress:
+    """What a resumed attempt must continue rather than start again, besides the weights:
+    the guards' runs, the target-loss window, the step and time the target was reached, and
+    when the first attempt started training (so time to target spans attempts)."""
+
+    counters: dict[str, Any]
+    guard_window: list[bool]
 
 
 class Guards:
@@ -187,6 +206,19 @@ class Guards:
         self.min_scale_run = 0
         self.window: deque[bool] = deque(maxlen=guards["overflow_window"])
         self.warning: str | None = None
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "nonfinite_run": self.nonfinite_run,
+            "min_scale_run": self.min_scale_run,
+            "warning": self.warning,
+        }
+
+    def restore(self, state: dict[str, Any], window: list[bool]) -> None:
+        self.nonfinite_run = int(state["nonfinite_run"])
+        self.min_scale_run = int(state["min_scale_run"])
+        self.warning = state["warning"]
+        self.window.extend(window)
 
     def check(self, first: int, d: Drained) -> str | None:
         """A reason to fail the job, or None."""
@@ -290,11 +322,14 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
         self.step_seconds: list[float] = []
         self.recent: deque[tuple[float, int]] = deque(maxlen=64)
         faults = ctx.spec["faults"]
-        self.crash_at = faults.get("crash_at_step")
-        self.hang_at = faults.get("hang_at_step")
+        attempts = faults.get("crash_attempts")
+        rehearsed = attempts is None or ctx.attempt in attempts
+        self.crash_at = faults.get("crash_at_step") if rehearsed else None
+        self.hang_at = faults.get("hang_at_step") if rehearsed else None
         self.target = ctx.spec["training"].get("target_loss")
         self.target_window: deque[float] = deque(maxlen=TARGET_WINDOW)
         self.reached: tuple[int, float] | None = None
+        # Wall clock (seconds since the epoch), not perf_counter: it carries across attempts.
         self.first_started: float | None = None
         self.tensorboard: Any = None
 
@@ -304,7 +339,7 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self.exec_started = time.perf_counter()
         if self.first_started is None:
-            self.first_started = self.exec_started
+            self.first_started = time.time()
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         d = self.collect()
@@ -369,7 +404,8 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
     def _watch_target(self, d: Drained) -> None:
         """The first step where the mean loss of the last TARGET_WINDOW steps reaches the
         spec's target_loss, and the wall time to it from the first execution's start (so
-        compilation counts: it is part of what a precision costs)."""
+        compilation counts: it is part of what a precision costs). A resumed attempt goes on
+        from the checkpoint's window and the first attempt's start."""
         if self.target is None or self.reached is not None or not len(d):
             return
         for i, loss in enumerate(d.loss.tolist()):
@@ -379,7 +415,7 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
             full = len(self.target_window) == self.target_window.maxlen
             if full and sum(self.target_window) / len(self.target_window) <= self.target:
                 assert self.first_started is not None
-                self.reached = (d.first + i, time.perf_counter() - self.first_started)
+                self.reached = (d.first + i, time.time() - self.first_started)
                 return
 
     def steps_per_second(self) -> float | None:
@@ -413,11 +449,27 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
                 tf.summary.scalar("finite", 1.0 if finite else 0.0, step=step)
         self.tensorboard.flush()
 
+    def progress(self) -> Progress:
+        counters = {
+            "first_started": self.first_started,
+            "target_window": list(self.target_window),
+            "reached": None if self.reached is None else list(self.reached),
+            "guards": self.guards.state(),
+        }
+        return Progress(counters, list(self.guards.window))
+
+    def resume(self, progress: Progress) -> None:
+        c = progress.counters
+        self.first_started = c["first_started"]
+        self.target_window.extend(c["target_window"])
+        self.reached = None if c["reached"] is None else (int(c["reached"][0]), c["reached"][1])
+        self.guards.restore(c["guards"], progress.guard_window)
+
     def checkpoint(self) -> None:
         step = self.recorder.drained_to
         self.flush()  # the rows a checkpoint covers reach the supervisor first
         with disk_errors_explained(self.checkpointer.directory):
-            self.checkpointer.save(self.model, step)
+            self.checkpointer.save(self.model, step, self.progress())
         self.last_checkpoint = step
         self.ctx.emit({"type": "checkpoint", "step": step})
 
@@ -547,16 +599,18 @@ def train(ctx: RunContext) -> str:
     checkpointer = Checkpointer(ctx.job_dir)
     start = ctx.resume_step or 0
     if start and not checkpointer.path(start).is_file():
+        # The supervisor sees start_step 0 in "started" and records why in the job.
         print(f"halfway: checkpoint for step {start} is missing; starting over", flush=True)
         start = 0
-    if start:
-        checkpointer.restore(trainer, start)
+    progress = checkpointer.restore(trainer, start) if start else None
     recorder.set_start(start)
     ls = spec["loss_scale"]
     guards = Guards(spec["guards"], ls["min_scale"] if ls["mode"] == "dynamic" else None)
     stream = StepStream(
         ctx, recorder, guards, checkpointer, training["checkpoint_every"], training["batch_size"]
     )
+    if progress is not None:
+        stream.resume(progress)
     if spec.get("outputs", {}).get("tensorboard"):
         stream.tensorboard = tf.summary.create_file_writer(str(ctx.job_dir / "tensorboard"))
 
