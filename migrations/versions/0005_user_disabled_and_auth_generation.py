@@ -6,7 +6,7 @@ counter at most ``AUTH_RECHECK_SECONDS`` after its last read, drops its cache wh
 and the CLI command that changed a user returns only after that window (service/authcache.py).
 
 Revision ID: 0005
-Revises: 0002
+Revises: 0004
 Create Date: 2026-12-01
 """
 
@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0005"
-down_revision: str | None = "0002"
+down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
