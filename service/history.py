@@ -195,8 +195,12 @@ def write_steps(
 
 def truncate_after(session: Session, job: Job, step: int) -> None:
     """Forget history from ``step`` on (a resumed attempt re-runs those steps) and recompute
-    the summary from what remains, so it matches the rows exactly."""
-    session.execute(delete(Step).where(Step.job_id == job.id, Step.step >= step))
+    the summary from what remains, so it matches the rows exactly. When rows were forgotten,
+    the job's ``history_version`` moves on, so that clients drop what they read from there."""
+    forgotten = session.execute(delete(Step).where(Step.job_id == job.id, Step.step >= step))
+    if forgotten.rowcount:  # type: ignore[attr-defined]
+        job.history_version += 1
+        job.history_reset_step = step
     session.execute(delete(ScaleEvent).where(ScaleEvent.job_id == job.id, ScaleEvent.step >= step))
     # At each level, every block from the one holding step - 1 on goes: those past the cut
     # are empty now, and a block that starts exactly at the cut (the common case: checkpoints

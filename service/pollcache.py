@@ -29,6 +29,8 @@ class Snapshot:
     status: str
     last_step: int | None
     taken: float
+    history_version: int = 0
+    history_reset_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,15 @@ class PollCache:
         a forget has happened since: then it only answers the poll that loaded it, which was
         under way when the change was made."""
         body = serialize(out)
-        snap = Snapshot(body, etag_of(body), out.status, out.summary.last_step, time.monotonic())
+        snap = Snapshot(
+            body,
+            etag_of(body),
+            out.status,
+            out.summary.last_step,
+            time.monotonic(),
+            out.history_version,
+            out.history_reset_step,
+        )
         if self.ttl > 0:
             with self._lock:
                 if generation is not None and generation != self._generation:
@@ -106,7 +116,7 @@ class PollCache:
     def store_page(
         self, job_id: int, after_step: int, limit: int, snap: Snapshot, body: bytes
     ) -> Page:
-        page = Page(body, etag_of(body), snap.taken)
+        page = Page(body, etag_of(body, snap.history_version), snap.taken)
         if self.ttl > 0:
             with self._lock:
                 if len(self._pages) >= self.size:
