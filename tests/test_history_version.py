@@ -9,9 +9,8 @@ import contextlib
 import json
 import socket
 import threading
-import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -28,21 +27,8 @@ from tests.conftest import Api, Team
 from tests.live import Live
 from tests.test_history_queries import brute_force, submit, synthetic_history, write
 from tests.test_supervisor import make_job
+from tests.waiting import eventually
 from workers.supervisor import Supervisor
-
-T = TypeVar("T")
-
-
-def eventually(read: Callable[[], T], ok: Callable[[T], bool], timeout: float = 10.0) -> T:
-    """Read until ``ok``: what the API says may lag a write made behind its back by up to the
-    poll cache's lifetime (0.5 s), as it does for a worker's writes in production."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = read()
-        if ok(value):
-            return value
-        assert time.monotonic() < deadline, f"still {value!r}"
-        time.sleep(0.05)
 
 
 def truncate(db: Database, job_id: int, step: int) -> None:
