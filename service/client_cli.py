@@ -631,6 +631,12 @@ def _changes(old: Job, new: Job) -> list[str]:
             f"job {new['id']} running on {new['worker_id']} "
             f"(attempt {new['attempt']} of {new['max_attempts']})"
         )
+    if new.get("history_version", 0) != old.get("history_version", 0):
+        # A resume replaced the steps from its checkpoint on; the bar goes back there.
+        lines.append(
+            f"attempt {new['attempt']} resumed from its checkpoint: history from step "
+            f"{new.get('history_reset_step') or 0} on is being trained again"
+        )
     if new["cancel_requested"] and not old["cancel_requested"]:
         lines.append("cancel requested")
     warning = new["summary"].get("guard_warning")

@@ -5,11 +5,13 @@ Each reads what to do from ``spec["fake"]`` (the supervisor passes the spec thro
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 
@@ -66,6 +68,13 @@ def _attempt_of_a_plan(payload: dict[str, Any], conn: Connection, plan: list[Any
         time.sleep(0.5)  # the supervisor commits what was sent, as it would have by now
         os.kill(os.getpid(), signal.SIGKILL)
     conn.send({"type": "done", "status": "succeeded", "error": None, "retryable": False})
+
+
+def plan_in_data_dir(payload: dict[str, Any], conn: Connection) -> None:
+    """``_attempt_of_a_plan`` for jobs submitted through the API (whose specs cannot carry a
+    ``fake`` section): the plan is ``fake-plan.json`` in the worker's data directory."""
+    plan = json.loads((Path(payload["data_dir"]) / "fake-plan.json").read_text())
+    _attempt_of_a_plan(payload, conn, plan)
 
 
 def trainer(payload: dict[str, Any], conn: Connection) -> None:

@@ -9,6 +9,7 @@ import csv
 import io
 import json
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from service.cli import app as cli_app
 from service.client_cli import CliError, ExitCode, HalfwayClient, Target, resolve_target
 from service.history import StepRecord
 from service.models import Job, utcnow
+from tests import fakes
 from tests.live import CLIENT_ENV, Live, free_port, halfway
 from workers.supervisor import Supervisor
 
@@ -187,6 +189,33 @@ def test_submit_watch_of_a_failing_job_exits_non_zero_with_its_error(
     assert "job 1 failed:" in result.stdout
     assert "injected crash at step 3" in result.stdout
     assert "halfway logs 1" in result.stdout
+
+
+def test_submit_watch_says_when_a_resume_rewrites_history_and_goes_back_to_the_cut(
+    live: Live, tmp_path: Path
+) -> None:
+    """A real supervisor, a fake trainer (a spawned process, no TensorFlow): attempt 1 trains
+    0..199, checkpoints at 128 and is killed; attempt 2 resumes at 128 and trains to 299."""
+    plan = [
+        {"until": 200, "total": 300, "checkpoint_at": 128, "then": "crash"},
+        {"until": 300, "total": 300},
+    ]
+    (live.settings.resolved_data_dir() / "fake-plan.json").write_text(json.dumps(plan))
+    supervisor = Supervisor(live.db, live.settings, trainer=fakes.plan_in_data_dir)
+    thread = threading.Thread(target=supervisor.run_forever, daemon=True)
+    thread.start()
+    try:
+        result = cli(live, "submit", write_file(tmp_path, "spec.json", json.dumps(TINY)), "-w")
+    finally:
+        supervisor.stop()
+        thread.join(30)
+    assert result.exit_code == ExitCode.OK, result.output
+    assert "attempt 1 failed: training process killed by signal 9" in result.stdout
+    assert (
+        "attempt 2 resumed from its checkpoint: history from step 128 on is being trained again"
+        in result.stdout
+    )
+    assert "job 1 succeeded" in result.stdout and "300 steps" in result.stdout
 
 
 # --------------------------------------------------------------------------------------------
