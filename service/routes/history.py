@@ -313,8 +313,10 @@ def _csv_rows(db: Database, job_id: int) -> Iterator[str]:
             return
 
 
-# What an EventSource sends back when it reconnects: the id of the last event it got.
-LAST_EVENT_ID = r"^[0-9]{1,10}:(-1|[0-9]{1,10})$"
+# What an EventSource sends back when it reconnects: the id of the last event it got. Empty
+# means none (a plain string, not an optional one: OpenAPI has no null header, and a fuzzer
+# reading "string or null" sends the text "null").
+LAST_EVENT_ID = r"^([0-9]{1,10}:(-1|[0-9]{1,10}))?$"
 
 
 @router.get(
@@ -330,14 +332,14 @@ def stream_events(
     _: PrincipalDep,
     after_step: Annotated[int, Query(ge=-1, le=MAX_STEP)] = -1,
     last_event_id: Annotated[
-        str | None,
+        str,
         Header(
             pattern=LAST_EVENT_ID,
             description="VERSION:STEP, the id of the last event received (an EventSource "
             "sends it when it reconnects); the stream goes on from there, overriding "
             "after_step.",
         ),
-    ] = None,
+    ] = "",
 ) -> Response:
     """Server-sent events: ``steps`` (new rows, batched), ``status`` (the job's status and
     summary when they change), ``reset`` when a resume rewrote history the client already has
@@ -347,7 +349,7 @@ def stream_events(
     reconnects (with ``Last-Event-ID``) continues where it left off."""
     jobs.get_job(session, job_id)
     version = None
-    if last_event_id is not None:
+    if last_event_id:
         seen, step = last_event_id.split(":")
         version, after_step = int(seen), min(int(step), MAX_STEP)
     return StreamingResponse(
