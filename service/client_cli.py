@@ -631,7 +631,7 @@ def _changes(old: Job, new: Job) -> list[str]:
             f"job {new['id']} running on {new['worker_id']} "
             f"(attempt {new['attempt']} of {new['max_attempts']})"
         )
-    if new.get("history_version", 0) != old.get("history_version", 0):
+    if new.get("history_version", 0) > old.get("history_version", 0):
         # A resume replaced the steps from its checkpoint on; the bar goes back there.
         lines.append(
             f"attempt {new['attempt']} resumed from its checkpoint: history from step "
@@ -925,6 +925,18 @@ def buckets_table(page: dict[str, Any]) -> Table:
     return table
 
 
+def print_rewrite(ui: Ui, page: Mapping[str, Any]) -> None:
+    """A page after a resume: whoever pages by hand should know that rows read before may be
+    the replaced ones (the version tells; see the API's history_version)."""
+    version = page.get("history_version") or 0
+    if version > 0:
+        ui.out.print(
+            f"[dim]History version {version}: a resume trained the steps from "
+            f"{page.get('history_reset_step') or 0} on again; pages read before version "
+            f"{version} hold the replaced rows from there.[/]"
+        )
+
+
 def stream_csv(client: HalfwayClient, job_id: int) -> None:
     out = binary_stdout()
     with client.stream(f"/v1/jobs/{job_id}/history.csv") as response:
@@ -1182,6 +1194,7 @@ def history(
                 ui.out.print(f"Job {job_id} has no history yet ({page['status']}).")
                 return
             ui.out.print(buckets_table(page))
+            print_rewrite(ui, page)
             return
         after = -1 if after_step is None else after_step
         page = client.history(job_id, {"after_step": after, "limit": limit or 50})
@@ -1189,6 +1202,7 @@ def history(
         ui.out.print(f"Job {job_id} has no history after step {after} ({page['status']}).")
         return
     ui.out.print(rows_table(job_id, page))
+    print_rewrite(ui, page)
     if page["has_more"]:
         ui.out.print(
             f"[dim]More: halfway history {job_id} --after-step {page['next_after_step']}[/]"

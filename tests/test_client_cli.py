@@ -23,6 +23,7 @@ from service.history import StepRecord
 from service.models import Job, utcnow
 from tests import fakes
 from tests.live import CLIENT_ENV, Live, free_port, halfway
+from tests.waiting import eventually
 from workers.supervisor import Supervisor
 
 TINY: dict[str, Any] = {
@@ -303,6 +304,28 @@ def test_history_prints_rows_pages_with_after_step_and_marks_overflows(live: Liv
     last = cli(live, "history", str(job_id), "--after-step", "35")
     assert [table_row(last.stdout, str(s))[0] for s in range(36, 40)] == ["36", "37", "38", "39"]
     assert "More:" not in last.stdout and find_row(last.stdout, "35") is None
+
+
+def test_history_says_when_a_resume_rewrote_the_rows_it_prints(live: Live) -> None:
+    job_id = live.submit(TINY)
+    finish_directly(live, job_id, records_with_overflows())
+    before = cli(live, "history", str(job_id), "--after-step", "20")
+    assert "History version" not in before.stdout
+    with live.db.write() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        history.truncate_after(s, job, 30)
+        history.write_steps(
+            s, job, [StepRecord(i, 0, 0.5, 64.0, True) for i in range(30, 40)], now=utcnow()
+        )
+    after = eventually(
+        lambda: cli(live, "history", str(job_id), "--after-step", "20"),
+        lambda r: "History version" in r.stdout,
+    )
+    assert "History version 1: a resume trained the steps from 30 on again" in after.stdout
+    assert table_row(after.stdout, "35")[3] == "64"
+    buckets = cli(live, "history", str(job_id), "--points", "2")
+    assert "History version 1" in buckets.stdout
 
 
 def test_history_csv_streams_every_row(live: Live) -> None:

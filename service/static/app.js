@@ -681,7 +681,7 @@
    * latest cut is known), and read on from there. */
   function followRewrite(hist, version, resetStep) {
     if (hist.version === null) hist.version = version;
-    if (version === hist.version) return;
+    if (version <= hist.version) return; // an older answer (another API replica's cache)
     const from = version === hist.version + 1 && resetStep !== null ? resetStep : 0;
     hist.version = version;
     if (hist.raw) {
