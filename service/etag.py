@@ -10,8 +10,11 @@ from fastapi import Request, Response
 from pydantic import BaseModel
 
 
-def etag_of(body: bytes) -> str:
-    return '"' + hashlib.blake2b(body, digest_size=16).hexdigest() + '"'
+def etag_of(body: bytes, history_version: int | None = None) -> str:
+    """A strong ETag of the body. A history or bucket page's starts with its job's history
+    version (``"h2-..."``), so a client can tell which version a 304 stands for."""
+    digest = hashlib.blake2b(body, digest_size=16).hexdigest()
+    return f'"h{history_version}-{digest}"' if history_version is not None else f'"{digest}"'
 
 
 def serialize(model: BaseModel) -> bytes:

@@ -201,24 +201,30 @@ def write_steps(
 
 def truncate_after(session: Session, job: Job, step: int) -> None:
     """Forget history from ``step`` on (a resumed attempt re-runs those steps) and recompute
-    the summary from what remains, so it matches the rows exactly."""
-    session.execute(delete(Step).where(Step.job_id == job.id, Step.step >= step))
+    the summary from what remains, so it matches the rows exactly. When rows were forgotten,
+    the job's ``history_version`` moves on, so that clients drop what they read from there."""
+    forgotten = session.execute(delete(Step).where(Step.job_id == job.id, Step.step >= step))
+    if forgotten.rowcount:  # type: ignore[attr-defined]
+        job.history_version += 1
+        job.history_reset_step = step
     session.execute(delete(ScaleEvent).where(ScaleEvent.job_id == job.id, ScaleEvent.step >= step))
+    # At each level, every block from the one holding step - 1 on goes: those past the cut
+    # are empty now, and a block that starts exactly at the cut (the common case: checkpoints
+    # fall on multiples of 64) must not go on counting deleted steps. The block holding
+    # step - 1 is then rebuilt from the rows that remain.
     session.execute(
         delete(StepRollup).where(
             StepRollup.job_id == job.id,
             or_(
                 *(
-                    (StepRollup.level == level) & (StepRollup.block > step // size)
+                    (StepRollup.level == level) & (StepRollup.block >= (step - 1) // size)
                     for level, size in enumerate(LEVEL_BLOCKS)
                 )
             ),
         )
     )
-    if step > 0:  # the block holding the cut now ends earlier
+    if step > 0:
         refresh_rollups(session, job.id, step - 1, step - 1)
-    else:
-        session.execute(delete(StepRollup).where(StepRollup.job_id == job.id))
     agg = session.execute(
         select(
             func.max(Step.step),

@@ -17,6 +17,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
     CollectorRegistry,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -44,6 +45,10 @@ HISTORY_WRITE_LATENCY = Histogram(
     "halfway_history_write_seconds",
     "Time to write one batch of step records (and renew the lease), per transaction.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+EVENT_STREAMS = Gauge(
+    "halfway_event_streams",
+    "Server-sent event streams this API process is serving now.",
 )
 DURATION_BUCKETS = (1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 12 * 3600, 24 * 3600, 7 * 86400)
 

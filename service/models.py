@@ -178,6 +178,10 @@ class Job(Base):
     steps_per_second: Mapped[float | None] = mapped_column(Float, nullable=True)
     guard_warning: Mapped[str | None] = mapped_column(Text, nullable=True)
     checkpoint_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Each resume that replaces recorded steps moves the version on; the reset step is the
+    # first step the latest rewrite replaced (migration 0003).
+    history_version: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    history_reset_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     precision_report: Mapped[list[Any]] = mapped_column(default=list)
     forensics: Mapped[list[Any]] = mapped_column(default=list)

@@ -7,7 +7,8 @@ a dictionary lookup; a poll already at the snapshot's last step gets its empty p
 touching the database; and new rows are served only up to the snapshot's last step, so the
 pollers' cursors meet on the same steps and one query answers all of them (``Page``).
 Staleness is bounded by ``ttl`` (0.5 s by default); changes made through this API process
-(cancel, priority) drop the snapshot at once.
+(cancel, priority) drop the snapshot at once, and a load that was already reading the job
+when they did is not stored (``forget`` moves the generation on): the next poll reads again.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class Snapshot:
     status: str
     last_step: int | None
     taken: float
+    history_version: int = 0
+    history_reset_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,10 @@ class PollCache:
         self._pages: dict[tuple[int, int, int], Page] = {}
         self._lock = threading.Lock()
         self._flights: dict[object, threading.Lock] = {}
+        # Moved on by every forget. A load that began under an older generation may have read
+        # the job before the change that forgot it was committed, so it is not stored. One
+        # counter for all jobs: forgets are rare (a cancel, a priority change), loads are not.
+        self._generation = 0
 
     def single_flight(self, key: object) -> threading.Lock:
         """The lock that serializes refreshing ``key``."""
@@ -65,7 +72,11 @@ class PollCache:
         if self.ttl <= 0:
             return self.store(job_id, load())
         with self.single_flight(("job", job_id)):
-            return self.fresh(job_id) or self.store(job_id, load())
+            snap = self.fresh(job_id)
+            if snap is not None:
+                return snap
+            generation = self._generation
+            return self.store(job_id, load(), generation)
 
     def fresh(self, job_id: int) -> Snapshot | None:
         if self.ttl <= 0:
@@ -75,11 +86,24 @@ class PollCache:
             return None
         return snap
 
-    def store(self, job_id: int, out: JobOut) -> Snapshot:
+    def store(self, job_id: int, out: JobOut, generation: int | None = None) -> Snapshot:
+        """Keep ``out`` as the job's snapshot, unless it was loaded under ``generation`` and
+        a forget has happened since: then it only answers the poll that loaded it, which was
+        under way when the change was made."""
         body = serialize(out)
-        snap = Snapshot(body, etag_of(body), out.status, out.summary.last_step, time.monotonic())
+        snap = Snapshot(
+            body,
+            etag_of(body),
+            out.status,
+            out.summary.last_step,
+            time.monotonic(),
+            out.history_version,
+            out.history_reset_step,
+        )
         if self.ttl > 0:
             with self._lock:
+                if generation is not None and generation != self._generation:
+                    return snap
                 if len(self._items) >= self.size:
                     self._items.clear()
                 self._items[job_id] = snap
@@ -92,7 +116,7 @@ class PollCache:
     def store_page(
         self, job_id: int, after_step: int, limit: int, snap: Snapshot, body: bytes
     ) -> Page:
-        page = Page(body, etag_of(body), snap.taken)
+        page = Page(body, etag_of(body, snap.history_version), snap.taken)
         if self.ttl > 0:
             with self._lock:
                 if len(self._pages) >= self.size:
@@ -101,5 +125,7 @@ class PollCache:
         return page
 
     def forget(self, job_id: int) -> None:
+        """Drop the job's snapshot after a change committed through this process."""
         with self._lock:
+            self._generation += 1
             self._items.pop(job_id, None)

@@ -760,6 +760,14 @@ class JobOut(BaseModel):
     )
     device: dict[str, Any] = Field(description="Where it trained: GPUs, replicas, XLA, ...")
     spec: dict[str, Any]
+    history_version: int = Field(
+        description="Moves on each time a resume replaces recorded steps. A client holding "
+        "rows of the version before starts again from history_reset_step; of an older one, "
+        "from step 0."
+    )
+    history_reset_step: int | None = Field(
+        description="The first step the latest rewrite replaced (null: never rewritten)."
+    )
 
 
 class JobPage(BaseModel):
@@ -784,6 +792,14 @@ class HistoryPage(BaseModel):
         description="Pass as ?after_step= to get only newer rows (a polling cursor)."
     )
     has_more: bool
+    history_version: int = Field(
+        description="Moves on each time a resume replaces recorded steps. A client holding "
+        "rows of the version before starts again from history_reset_step; of an older one, "
+        "from step 0."
+    )
+    history_reset_step: int | None = Field(
+        description="The first step the latest rewrite replaced (null: never rewritten)."
+    )
 
 
 class PolicyOut(BaseModel):
@@ -860,6 +876,14 @@ class BucketPage(BaseModel):
     width: int = Field(description="Steps per bucket (the last one may hold fewer).")
     origin: int = Field(description="Bucket i starts at step origin + i * width.")
     buckets: list[BucketOut] = Field(description="Non-empty buckets, in step order.")
+    history_version: int = Field(
+        description="Moves on each time a resume replaces recorded steps. A client holding "
+        "rows of the version before starts again from history_reset_step; of an older one, "
+        "from step 0."
+    )
+    history_reset_step: int | None = Field(
+        description="The first step the latest rewrite replaced (null: never rewritten)."
+    )
 
 
 class ScaleEventOut(BaseModel):
@@ -884,6 +908,7 @@ class ComparedJob(BaseModel):
     status: str
     policy: str
     buckets: list[BucketOut]
+    history_version: int
 
 
 class Comparison(BaseModel):

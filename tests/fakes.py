@@ -5,11 +5,13 @@ Each reads what to do from ``spec["fake"]`` (the supervisor passes the spec thro
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 
@@ -35,9 +37,52 @@ def _started(
     )
 
 
+def _attempt_of_a_plan(payload: dict[str, Any], conn: Connection, plan: list[Any]) -> None:
+    """One attempt of a job that crashes and resumes: ``plan[attempt - 1]`` says up to which
+    step it trains (from the acknowledged checkpoint the supervisor hands it), where its
+    gradients overflow, where it checkpoints, what file it waits for before going on, and how
+    it ends (``crash``: SIGKILL; ``succeed``). Each attempt's losses differ, as a resumed
+    run's do when its data order or dropout differs."""
+    attempt = payload["attempt"]
+    step_plan = plan[attempt - 1]
+    start = payload["resume_step"] or 0
+    total = int(step_plan.get("total", step_plan["until"]))
+    _started(conn, total, start=start)
+    overflow = set(step_plan.get("overflow_at", []))
+    checkpoint = step_plan.get("checkpoint_at")
+    batch = int(step_plan.get("batch", 10))
+    for first in range(start, step_plan["until"], batch):
+        last = min(first + batch, step_plan["until"])
+        records = [
+            # Losses exact in float32, as TensorFlow's are.
+            (s, 0, attempt + (s % 97) / 64, 1024.0, s not in overflow)
+            for s in range(first, last)
+        ]
+        conn.send({"type": "steps", "records": records, "steps_per_second": 100.0})
+        if checkpoint is not None and first < checkpoint <= last:
+            conn.send({"type": "checkpoint", "step": checkpoint})
+    wait_for = step_plan.get("wait_for")
+    while wait_for and not os.path.exists(wait_for):
+        time.sleep(0.02)
+    if step_plan.get("then") == "crash":
+        time.sleep(0.5)  # the supervisor commits what was sent, as it would have by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    conn.send({"type": "done", "status": "succeeded", "error": None, "retryable": False})
+
+
+def plan_in_data_dir(payload: dict[str, Any], conn: Connection) -> None:
+    """``_attempt_of_a_plan`` for jobs submitted through the API (whose specs cannot carry a
+    ``fake`` section): the plan is ``fake-plan.json`` in the worker's data directory."""
+    plan = json.loads((Path(payload["data_dir"]) / "fake-plan.json").read_text())
+    _attempt_of_a_plan(payload, conn, plan)
+
+
 def trainer(payload: dict[str, Any], conn: Connection) -> None:
     fake = payload["spec"].get("fake", {})
     mode = fake.get("mode", "succeed")
+    if mode == "plan":
+        _attempt_of_a_plan(payload, conn, fake["plan"])
+        return
     steps = int(fake.get("steps", 10))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

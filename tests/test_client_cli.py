@@ -9,6 +9,7 @@ import csv
 import io
 import json
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ from service.client import Client, ExitCode, UsageError, resolve_target, tables
 from service.client import commands as client_commands
 from service.history import StepRecord
 from service.models import Job, utcnow
+from tests import fakes
 from tests.live import CLIENT_ENV, Live, free_port, halfway
+from tests.waiting import eventually
 from workers.supervisor import Supervisor
 
 TINY: dict[str, Any] = {
@@ -191,6 +194,33 @@ def test_submit_watch_of_a_failing_job_exits_non_zero_with_its_error(
     assert "halfway logs 1" in result.stdout
 
 
+def test_submit_watch_says_when_a_resume_rewrites_history_and_goes_back_to_the_cut(
+    live: Live, tmp_path: Path
+) -> None:
+    """A real supervisor, a fake trainer (a spawned process, no TensorFlow): attempt 1 trains
+    0..199, checkpoints at 128 and is killed; attempt 2 resumes at 128 and trains to 299."""
+    plan = [
+        {"until": 200, "total": 300, "checkpoint_at": 128, "then": "crash"},
+        {"until": 300, "total": 300},
+    ]
+    (live.settings.resolved_data_dir() / "fake-plan.json").write_text(json.dumps(plan))
+    supervisor = Supervisor(live.db, live.settings, trainer=fakes.plan_in_data_dir)
+    thread = threading.Thread(target=supervisor.run_forever, daemon=True)
+    thread.start()
+    try:
+        result = cli(live, "submit", write_file(tmp_path, "spec.json", json.dumps(TINY)), "-w")
+    finally:
+        supervisor.stop()
+        thread.join(30)
+    assert result.exit_code == ExitCode.OK, result.output
+    assert "attempt 1 failed: training process killed by signal 9" in result.stdout
+    assert (
+        "attempt 2 resumed from its checkpoint: history from step 128 on is being trained again"
+        in result.stdout
+    )
+    assert "job 1 succeeded" in result.stdout and "300 steps" in result.stdout
+
+
 # --------------------------------------------------------------------------------------------
 # jobs, show, history
 
@@ -302,6 +332,28 @@ def test_history_prints_rows_pages_with_after_step_and_marks_overflows(live: Liv
     last = cli(live, "history", str(job_id), "--after-step", "35")
     assert [table_row(last.stdout, str(s))[0] for s in range(36, 40)] == ["36", "37", "38", "39"]
     assert "More:" not in last.stdout and find_row(last.stdout, "35") is None
+
+
+def test_history_says_when_a_resume_rewrote_the_rows_it_prints(live: Live) -> None:
+    job_id = live.submit(TINY)
+    finish_directly(live, job_id, records_with_overflows())
+    before = cli(live, "history", str(job_id), "--after-step", "20")
+    assert "History version" not in before.stdout
+    with live.db.write() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        history.truncate_after(s, job, 30)
+        history.write_steps(
+            s, job, [StepRecord(i, 0, 0.5, 64.0, True) for i in range(30, 40)], now=utcnow()
+        )
+    after = eventually(
+        lambda: cli(live, "history", str(job_id), "--after-step", "20"),
+        lambda r: "History version" in r.stdout,
+    )
+    assert "History version 1: a resume trained the steps from 30 on again" in after.stdout
+    assert table_row(after.stdout, "35")[3] == "64"
+    buckets = cli(live, "history", str(job_id), "--points", "2")
+    assert "History version 1" in buckets.stdout
 
 
 def test_history_csv_streams_every_row(live: Live) -> None:

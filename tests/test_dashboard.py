@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -28,7 +29,10 @@ from service.history import StepRecord
 from service.models import Job, utcnow
 from service.schemas import JobSpec
 from service.settings import Settings
+from tests import fakes
 from tests.conftest import Team
+from tests.test_supervisor import make_job
+from workers.supervisor import Supervisor
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -565,3 +569,57 @@ def test_html_in_job_fields_is_shown_as_text_and_never_runs(
     # Shown as text, so no element came from the payload (the CSP would only be a second line).
     assert dash.page.locator("img").count() == 0
     assert dash.page.locator("body script").count() == 2  # uPlot and app.js
+
+
+# --------------------------------------------------------------------------------------------
+# A resumed job
+
+
+def test_a_job_resumed_after_a_crash_shows_every_step_once_and_only_the_new_attempt(
+    dash: Dashboard, db: Database, settings: Settings, team: Team, tmp_path: Path
+) -> None:
+    """A real supervisor runs a fake trainer (a spawned process, no TensorFlow) that trains
+    steps 0..199 with overflows at 150, 160 and 170, checkpoints at 128 and is killed; the
+    job resumes from 128 and trains to 299 with overflows at 140 and 250 only. The page,
+    which drew attempt 1's rows, must end with each step once and only the new attempt's
+    overflows: its rows from 128 on were replaced."""
+    crash = tmp_path / "crash-now"
+    plan = [
+        {
+            "until": 200,
+            "total": 300,
+            "checkpoint_at": 128,
+            "overflow_at": [150, 160, 170],
+            "wait_for": str(crash),
+            "then": "crash",
+        },
+        {"until": 300, "overflow_at": [140, 250]},
+    ]
+    job_id = make_job(db, {"mode": "plan", "plan": plan}, name="resumed")
+    supervisor = Supervisor(db, settings, trainer=fakes.trainer, worker_id="w")
+    worker = threading.Thread(target=supervisor.run_forever, daemon=True)
+    worker.start()
+    try:
+        dash.open(f"/?token={team.alice}&{FAST}#job={job_id}")
+        loss_chart = dash.page.locator("#loss-chart")
+        expect(loss_chart).to_have_attribute("data-points", "200")
+        expect(loss_chart).to_have_attribute("data-overflow-markers", "3")
+        crash.touch()
+        expect(dash.job_row(job_id).locator(".status")).to_have_text("succeeded", timeout=60_000)
+        expect(loss_chart).to_have_attribute("data-points", "300")
+        expect(loss_chart).to_have_attribute("data-overflow-markers", "2")
+        expect(dash.page.locator("#scale-chart")).to_have_attribute("data-overflow-markers", "2")
+        expect(loss_chart).to_have_attribute("data-distinct-steps", "300")
+        expect(loss_chart).to_have_attribute("data-history-version", "1")
+    finally:
+        supervisor.stop()
+        worker.join(30)
+    with db.read() as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        assert (job.attempt, job.history_version, job.history_reset_step) == (2, 1, 128)
+        assert job.overflow_count == 2
+    # It went back to the cut, not to the start, and read on from there.
+    cursors = [int(q["after_step"]) for q in dash.history_queries(job_id)]
+    back = cursors.index(127)
+    assert 199 in cursors[:back] and min(cursors[back:]) == 127

@@ -327,6 +327,7 @@ def history(
                 ui.out.print(f"Job {job_id} has no history yet ({page['status']}).")
                 return
             ui.out.print(tables.buckets_table(page))
+            render.print_rewrite(ui, page)
             return
         after = -1 if after_step is None else after_step
         page = client.history_page(job_id, after_step=after, limit=limit or 50)
@@ -334,6 +335,7 @@ def history(
         ui.out.print(f"Job {job_id} has no history after step {after} ({page['status']}).")
         return
     ui.out.print(tables.rows_table(job_id, page))
+    render.print_rewrite(ui, page)
     if page["has_more"]:
         ui.out.print(
             f"[dim]More: halfway history {job_id} --after-step {page['next_after_step']}[/]"

@@ -182,12 +182,30 @@ def changes(old: Job, new: Job) -> list[str]:
             f"job {new['id']} running on {new['worker_id']} "
             f"(attempt {new['attempt']} of {new['max_attempts']})"
         )
+    if new.get("history_version", 0) > old.get("history_version", 0):
+        # A resume replaced the steps from its checkpoint on; the bar goes back there.
+        lines.append(
+            f"attempt {new['attempt']} resumed from its checkpoint: history from step "
+            f"{new.get('history_reset_step') or 0} on is being trained again"
+        )
     if new["cancel_requested"] and not old["cancel_requested"]:
         lines.append("cancel requested")
     warning = new["summary"].get("guard_warning")
     if warning and warning != old["summary"].get("guard_warning"):
         lines.append(f"warning: {warning}")
     return lines
+
+
+def print_rewrite(ui: Ui, page: Mapping[str, Any]) -> None:
+    """A page after a resume: whoever pages by hand should know that rows read before may be
+    the replaced ones (the version tells; see the API's history_version)."""
+    version = page.get("history_version") or 0
+    if version > 0:
+        ui.out.print(
+            f"[dim]History version {version}: a resume trained the steps from "
+            f"{page.get('history_reset_step') or 0} on again; pages read before version "
+            f"{version} hold the replaced rows from there.[/]"
+        )
 
 
 def report_outcome(ui: Ui, job: Job) -> ExitCode:

@@ -9,9 +9,9 @@ import csv
 import io
 import json
 from collections.abc import AsyncIterator, Iterator
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
@@ -23,6 +23,7 @@ from service.db import Database
 from service.deps import ID_PATTERN, MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
 from service.errors import SpecError
 from service.etag import etag_of, etag_response, respond
+from service.metrics import EVENT_STREAMS
 from service.models import FINISHED_STATUSES, ScaleEvent
 from service.pollcache import PollCache
 from service.routes.jobs import job_out, job_snapshot
@@ -63,15 +64,24 @@ def step_dict(r: history.StepRow) -> dict[str, Any]:
 
 
 def page_body(
-    job_id: int, status: str, rows: list[history.StepRow], after_step: int, has_more: bool
+    job_id: int,
+    status: str,
+    rows: list[history.StepRow],
+    after_step: int,
+    has_more: bool,
+    version: tuple[int, int | None],
 ) -> bytes:
-    """A HistoryPage as JSON (``tests/test_api_jobs.py`` checks it against the schema)."""
+    """A HistoryPage as JSON (``tests/test_api_jobs.py`` checks it against the schema).
+    ``version``: the job's history version and reset step, read before the rows, so a page
+    never claims a newer version than its rows have."""
     page = {
         "job_id": job_id,
         "status": status,
         "items": [step_dict(r) for r in rows],
         "next_after_step": rows[-1].step if rows else after_step,
         "has_more": has_more,
+        "history_version": version[0],
+        "history_reset_step": version[1],
     }
     return json.dumps(page, separators=(",", ":"), allow_nan=False).encode()
 
@@ -139,8 +149,9 @@ async def get_history(
     snap = cache.fresh(job_id)
     if points is None and snap is not None:
         if snap.last_step is None or after_step >= snap.last_step:
-            body = page_body(job_id, snap.status, [], after_step, False)
-            return respond(request, body, etag_of(body))
+            version = (snap.history_version, snap.history_reset_step)
+            body = page_body(job_id, snap.status, [], after_step, False, version)
+            return respond(request, body, etag_of(body, snap.history_version))
         page = cache.page(job_id, after_step, limit, snap)
         if page is not None:
             return respond(request, page.body, page.etag)
@@ -180,7 +191,8 @@ def _polled_rows(
                 rows, has_more = history.read_steps(
                     session, job_id, after_step=after_step, limit=limit, up_to=snap.last_step
                 )
-            body = page_body(job_id, snap.status, rows, after_step, has_more)
+            version = (snap.history_version, snap.history_reset_step)
+            body = page_body(job_id, snap.status, rows, after_step, has_more, version)
             page = cache.store_page(job_id, after_step, limit, snap, body)
     return respond(request, page.body, page.etag)
 
@@ -195,11 +207,12 @@ def _history_in(
     from_step: int | None,
     to_step: int | None,
 ) -> Response:
-    job = jobs.get_job(session, job_id)
+    job = jobs.get_job(session, job_id)  # before the rows: see page_body
+    version = (job.history_version, job.history_reset_step)
     if points is None:
         rows, has_more = history.read_steps(session, job_id, after_step=after_step, limit=limit)
-        body = page_body(job_id, job.status, rows, after_step, has_more)
-        return respond(request, body, etag_of(body))
+        body = page_body(job_id, job.status, rows, after_step, has_more, version)
+        return respond(request, body, etag_of(body, version[0]))
     span = _range(session, job_id, from_step, to_step)
     lo, hi = span if span is not None else (from_step or 0, to_step or 0)
     grid = history.grid_for(lo, max(lo, hi), points)
@@ -213,9 +226,11 @@ def _history_in(
         "width": grid.width,
         "origin": grid.origin,
         "buckets": [bucket_dict(b) for b in found],
+        "history_version": version[0],
+        "history_reset_step": version[1],
     }
     body = json.dumps(page, separators=(",", ":"), allow_nan=False).encode()
-    return respond(request, body, etag_of(body))
+    return respond(request, body, etag_of(body, version[0]))
 
 
 @router.get(
@@ -299,6 +314,12 @@ def _csv_rows(db: Database, job_id: int) -> Iterator[str]:
             return
 
 
+# What an EventSource sends back when it reconnects: the id of the last event it got. Empty
+# means none (a plain string, not an optional one: OpenAPI has no null header, and a fuzzer
+# reading "string or null" sends the text "null").
+LAST_EVENT_ID = r"^([0-9]{1,10}:(-1|[0-9]{1,10}))?$"
+
+
 @router.get(
     "/v1/jobs/{job_id}/events",
     response_class=StreamingResponse,
@@ -311,27 +332,51 @@ def stream_events(
     db: DbDep,
     _: PrincipalDep,
     after_step: Annotated[int, Query(ge=-1, le=MAX_STEP)] = -1,
+    last_event_id: Annotated[
+        str,
+        Header(
+            pattern=LAST_EVENT_ID,
+            description="VERSION:STEP, the id of the last event received (an EventSource "
+            "sends it when it reconnects); the stream goes on from there, overriding "
+            "after_step.",
+        ),
+    ] = "",
 ) -> Response:
     """Server-sent events: ``steps`` (new rows, batched), ``status`` (the job's status and
-    summary when they change) and a final ``end`` once the job has finished and every row has
-    been sent."""
+    summary when they change), ``reset`` when a resume rewrote history the client already has
+    (``from_step``: drop what you hold from there; the rows that replace it follow), and a
+    final ``end`` once the job has finished and every row has been sent. Every event's id is
+    ``VERSION:STEP``, the history version and the last step sent, so an ``EventSource`` that
+    reconnects (with ``Last-Event-ID``) continues where it left off."""
     jobs.get_job(session, job_id)
+    version = None
+    if last_event_id:
+        seen, step = last_event_id.split(":")
+        version, after_step = int(seen), min(int(step), MAX_STEP)
     return StreamingResponse(
-        _events(request, db, job_id, after_step),
+        _events(request, db, job_id, after_step, version),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
-def _sse(event: str, data: Any) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+def _sse(event: str, data: Any, event_id: str) -> str:
+    body = json.dumps(data, separators=(",", ":"))
+    return f"event: {event}\nid: {event_id}\ndata: {body}\n\n"
 
 
-def _poll(
-    db: Database, job_id: int, after: int
-) -> tuple[list[dict[str, Any]], bool, dict[str, Any]]:
+class _Polled(NamedTuple):
+    rows: list[dict[str, Any]]
+    has_more: bool
+    status: dict[str, Any]
+    version: int
+    reset_step: int | None
+
+
+def _poll(db: Database, job_id: int, after: int) -> _Polled:
     with db.read() as session:
-        out = job_out(jobs.get_job(session, job_id))
+        job = jobs.get_job(session, job_id)  # before the rows: see page_body
+        out = job_out(job)
         rows, has_more = history.read_steps(session, job_id, after_step=after, limit=5000)
         status = {
             "status": out.status,
@@ -339,32 +384,61 @@ def _poll(
             "progress": out.progress.model_dump(),
             "summary": out.summary.model_dump(mode="json"),
         }
-        return [step_dict(r) for r in rows], has_more, status
+        return _Polled(
+            [step_dict(r) for r in rows],
+            has_more,
+            status,
+            job.history_version,
+            job.history_reset_step,
+        )
 
 
-async def _events(request: Request, db: Database, job_id: int, after: int) -> AsyncIterator[str]:
-    last_status: dict[str, Any] | None = None
-    quiet_since = asyncio.get_running_loop().time()
-    while not await request.is_disconnected() and await still_valid(request):
-        rows, has_more, status = await run_in_threadpool(_poll, db, job_id, after)
-        now = asyncio.get_running_loop().time()
-        if rows:
-            after = rows[-1]["step"]
-            yield _sse("steps", {"after_step": after, "items": rows})
-            quiet_since = now
-        if status != last_status:
-            last_status = status
-            yield _sse("status", status)
-            quiet_since = now
-        if status["status"] in FINISHED_STATUSES and not has_more and not rows:
-            yield _sse("end", {"status": status["status"], "last_step": after})
-            return
-        if has_more:
-            continue
-        if now - quiet_since > SSE_KEEPALIVE_SECONDS:
-            yield ": keepalive\n\n"
-            quiet_since = now
-        await asyncio.sleep(SSE_POLL_SECONDS)
+async def _events(
+    request: Request, db: Database, job_id: int, after: int, version: int | None
+) -> AsyncIterator[str]:
+    EVENT_STREAMS.inc()
+    try:
+        last_status: dict[str, Any] | None = None
+        quiet_since = asyncio.get_running_loop().time()
+        while not await request.is_disconnected() and await still_valid(request):
+            polled = await run_in_threadpool(_poll, db, job_id, after)
+            now = asyncio.get_running_loop().time()
+            if version is not None and polled.version != version:
+                # Rewritten since the client's version: from the cut if it missed one
+                # rewrite, from the start if it missed more (only the latest cut is kept).
+                one = polled.version == version + 1 and polled.reset_step is not None
+                start = polled.reset_step if one and polled.reset_step is not None else 0
+                version = polled.version
+                if start <= after:
+                    after = start - 1
+                    yield _sse(
+                        "reset",
+                        {"history_version": version, "from_step": start},
+                        f"{version}:{after}",
+                    )
+                    continue  # read again from the cut
+            version = polled.version
+            event_id = f"{version}:{polled.rows[-1]['step'] if polled.rows else after}"
+            if polled.rows:
+                after = polled.rows[-1]["step"]
+                yield _sse("steps", {"after_step": after, "items": polled.rows}, event_id)
+                quiet_since = now
+            if polled.status != last_status:
+                last_status = polled.status
+                yield _sse("status", polled.status, event_id)
+                quiet_since = now
+            finished = polled.status["status"] in FINISHED_STATUSES
+            if finished and not polled.has_more and not polled.rows:
+                yield _sse("end", {"status": polled.status["status"], "last_step": after}, event_id)
+                return
+            if polled.has_more:
+                continue
+            if now - quiet_since > SSE_KEEPALIVE_SECONDS:
+                yield ": keepalive\n\n"
+                quiet_since = now
+            await asyncio.sleep(SSE_POLL_SECONDS)
+    finally:
+        EVENT_STREAMS.dec()
 
 
 @router.get(
@@ -411,6 +485,7 @@ def compare_history(
                 name=j.name,
                 status=j.status,
                 policy=str(j.spec.get("precision", {}).get("policy")),
+                history_version=j.history_version,
                 buckets=[
                     bucket_out(b)
                     for b in history.buckets(session, j.id, lo=lo, hi=hi, points=points)

@@ -92,6 +92,8 @@ def job_out(job: Job) -> JobOut:
         forensics=job.forensics,
         device=job.device,
         spec=job.spec,
+        history_version=job.history_version,
+        history_reset_step=job.history_reset_step,
     )
 
 

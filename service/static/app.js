@@ -6,6 +6,8 @@
  * - A polled resource is re-read with If-None-Match, and raw history only with an after_step
  *   cursor, so an idle dashboard costs a few empty 304s every couple of seconds.
  * - Long runs are drawn from buckets (min/max/last per bucket), never from a million raw rows.
+ * - A resume rewrites history from its checkpoint on: when the job's history_version moves,
+ *   the rows held from the cut on are dropped and read again, so two attempts never mix.
  */
 (function () {
   "use strict";
@@ -646,6 +648,7 @@
       raw: { steps: [], loss: [], scale: [], finite: [] },
       cursor: -1,
       hasMore: true, // nothing read yet
+      version: null, // the history_version the rows held belong to
       stale: true, // buckets must be (re)read even if the job did not change
       drawn: { at: 0, step: 0, width: 1 }, // when and at which step buckets were last read
     };
@@ -666,12 +669,30 @@
     if (hist !== selection.hist) return; // another job was selected meanwhile
     const job = result.body;
     if (result.changed) renderJob(job);
+    followRewrite(hist, job.history_version, job.history_reset_step);
     const steps = job.progress.step || 0;
     if (hist.mode === "raw" && steps > CONFIG.bucketThreshold) toBuckets(hist);
     if (hist.mode === "raw") await pullRows(hist, result.changed);
     else if (hist.stale || (result.changed && bucketsOutdated(hist, steps))) {
       await pullBuckets(hist, steps);
     }
+  }
+
+  /** A resume replaced the history from some step on (history_version moved): drop what is
+   * held from that step on, or everything when more than one rewrite was missed (only the
+   * latest cut is known), and read on from there. */
+  function followRewrite(hist, version, resetStep) {
+    if (hist.version === null) hist.version = version;
+    if (version <= hist.version) return; // an older answer (another API replica's cache)
+    const from = version === hist.version + 1 && resetStep !== null ? resetStep : 0;
+    hist.version = version;
+    if (hist.raw) {
+      const keep = hist.raw.steps.findIndex((step) => step >= from);
+      if (keep >= 0) for (const column of Object.values(hist.raw)) column.length = keep;
+      hist.cursor = Math.min(hist.cursor, from - 1);
+      hist.hasMore = true;
+    }
+    hist.stale = true; // buckets are read again whole
   }
 
   function toBuckets(hist) {
@@ -714,6 +735,11 @@
         `&limit=${CONFIG.rawPageLimit}`;
       const { body } = await api(url, "history");
       if (hist !== selection.hist) return;
+      if (body.history_version < hist.version) return; // a lagging answer: ask again later
+      if (body.history_version !== hist.version) {
+        followRewrite(hist, body.history_version, body.history_reset_step);
+        continue; // read again from the cut
+      }
       appendRows(hist.raw, body.items);
       hist.cursor = body.next_after_step;
       hist.hasMore = body.has_more;
@@ -748,6 +774,7 @@
       width: 1,
       markers: cols.markers,
       overflowSteps: cols.overflowSteps,
+      distinctSteps: new Set(hist.raw.steps).size,
       text: `${fmtInt(n)} steps, one point each (raw rows) · ` +
         `${fmtInt(cols.markers)} overflow steps marked`,
     });
@@ -801,6 +828,8 @@
       bucketWidth: String(info.width),
       overflowMarkers: String(countMarkers(markerColumn(lossChart))),
       overflowSteps: String(info.overflowSteps),
+      distinctSteps: String(info.distinctSteps ?? ""),
+      historyVersion: String(selection.hist ? selection.hist.version : ""),
     });
     $("#scale-chart").dataset.overflowMarkers = String(countMarkers(markerColumn(scaleChart)));
     setText($("#job-mode"), info.mode === "raw" ? "raw steps"
@@ -920,7 +949,8 @@
     const view = comparison.pair ? JSON.stringify(comparison.pair.view) : "";
     return comparison.ids.map((id) => {
       const job = jobsById.get(id);
-      return job ? `${id}:${job.status}:${job.summary.last_step}` : `${id}:?`;
+      return job ? `${id}:${job.status}:${job.summary.last_step}:${job.history_version}`
+        : `${id}:?`;
     }).join(",") + view;
   }
 
