@@ -20,7 +20,6 @@ from rich.text import Text
 
 from service.client.api import Job
 from service.client.errors import ExitCode
-from service.vocabulary import FINISHED_STATUSES
 
 # Rich folds tables to 80 columns when stdout is not a terminal; a piped table stays whole.
 PIPE_WIDTH = 160
@@ -170,13 +169,12 @@ def progress_bar(ui: Ui) -> Progress:
 def changes(old: Job, new: Job) -> list[str]:
     """Lines worth printing above the bar when a polled job changes."""
     lines = []
-    if (
-        len(new["attempt_errors"]) > len(old["attempt_errors"])
-        and new["status"] not in FINISHED_STATUSES
-    ):
-        # A retry; the final attempt's error comes with the outcome instead.
-        last = new["attempt_errors"][-1]
-        lines.append(f"attempt {last.get('attempt')} failed: {last.get('error')}; retrying")
+    retried = new["attempt_errors"][len(old["attempt_errors"]) :]
+    if new["status"] == "failed":
+        retried = retried[:-1]  # the final attempt's error comes with the outcome instead
+    # Every retry is said, also one that a poll found already behind a finished job.
+    for entry in retried:
+        lines.append(f"attempt {entry.get('attempt')} failed: {entry.get('error')}; retrying")
     if new["attempt"] != old["attempt"] and new["status"] == "running":
         lines.append(
             f"job {new['id']} running on {new['worker_id']} "
