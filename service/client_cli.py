@@ -261,6 +261,20 @@ class HalfwayClient:
         )
         return _json(response), response.headers.get("Idempotent-Replayed") == "true"
 
+    def upload_code(self, archive: bytes) -> tuple[dict[str, Any], bool]:
+        """The bundle (digest, files, bytes) and whether it was new (201) or known (200)."""
+        try:
+            response = self._http.post(
+                "/v1/code",
+                files={"file": ("bundle.tar.gz", archive, "application/gzip")},
+                timeout=httpx.Timeout(300.0, connect=5.0),
+            )
+        except httpx.TransportError as exc:
+            raise unreachable(self.target.url, exc) from None
+        if response.status_code >= 400:
+            raise api_error(response, self.target)
+        return _json(response), response.status_code == 201
+
     def job(self, job_id: int, etag: str | None = None) -> tuple[Job | None, str | None]:
         """The job, or None when it has not changed since ``etag`` (a 304)."""
         response = self.request(
@@ -1062,6 +1076,16 @@ def submit(
             show_default=False,
         ),
     ] = None,
+    code: Annotated[
+        str | None,
+        typer.Option(
+            "--code",
+            metavar="DIR",
+            help="Pack DIR (skipping .git, __pycache__, virtualenvs, .halfwayignore), upload "
+            "it and fill code.bundle.",
+            show_default=False,
+        ),
+    ] = None,
     url: UrlOption = None,
     token: TokenOption = None,
 ) -> None:
@@ -1073,6 +1097,17 @@ def submit(
     spec = load_spec(spec_file)
     ui = Ui.create()
     with connect(url, token) as client:
+        if code is not None:
+            from service.code_cli import push
+
+            section = spec.get("code")
+            if not isinstance(section, dict):
+                raise CliError(
+                    "--code needs a 'code' section in the spec naming at least its "
+                    "entrypoint (package.module:function)",
+                    ExitCode.USAGE,
+                )
+            section["bundle"] = push(client, code, ui)
         if dry_run:
             result, _ = client.submit(spec, dry_run=True)
             print_dry_run(ui, result)
@@ -1368,3 +1403,7 @@ def register(app: typer.Typer) -> None:
     for name, command in COMMANDS:
         if command not in present:
             app.command(name, rich_help_panel=PANEL)(command)
+    from service.code_cli import code_app
+
+    if all(group.typer_instance is not code_app for group in app.registered_groups):
+        app.add_typer(code_app, name="code", rich_help_panel=PANEL)

@@ -80,7 +80,10 @@ def user_error(exc: BaseException, root: Path, during: str) -> UserCodeError:
     traceback.print_exception(exc)
     sys.stderr.flush()
     where = innermost_bundle_frame(exc, root)
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    # Keras wraps a layer's exception in a few lines of context: keep them, on one line.
+    message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if len(message) > 600:
+        message = message[:600] + "..."
     text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     place = f" at {where}" if where else ""
     return UserCodeError(f"{text} ({during}{place}; the full traceback is in the job's log)")
