@@ -132,7 +132,7 @@ def test_the_bundle_as_a_three_variant_sweep_measures_every_comparison_field(
     write_records(settings.resolved_data_dir() / "own-code")
     base = example_spec(push(live, EXAMPLE / "bundle"))
     del base["faults"], base["loss_scale"]
-    base["training"]["epochs"] = 3
+    base["training"]["epochs"] = 6  # the time to target needs 50 steps of history
     sweep = live.api(
         "POST",
         "/v1/sweeps",
