@@ -82,8 +82,8 @@ def normalize(spec: JobSpec, settings: Settings) -> SubmitResult:
         )
 
     if spec.code is None:
-        _check_model_and_data(spec, settings, notes)
         _check_loss(spec)
+        _check_model_and_data(spec, settings, notes)
     else:
         notes.append(
             f"code job: {spec.code.entrypoint} from bundle {spec.code.bundle[:19]}... runs in "
@@ -153,8 +153,8 @@ def _check_model_and_data(spec: JobSpec, settings: Settings, notes: list[str]) -
     else:
         _check_data_path(data, settings)
         features = classes = -1  # known only when the child opens the file
-    if spec.training.loss.name in REGRESSION_LOSSES:
-        classes = -1  # targets, not classes: the output width is the model's to say
+    if spec.training.loss.name in (*REGRESSION_LOSSES, "binary_crossentropy"):
+        classes = -1  # targets (or labels per output), not classes: the width is the model's
 
     if isinstance(model, KerasModel):
         return  # its shapes and size are known once Keras builds it, in the child
@@ -217,7 +217,7 @@ def _check_loss(spec: JobSpec) -> None:
     model = spec.model
     if isinstance(model, KerasModel):
         return
-    if loss not in REGRESSION_LOSSES and model.num_classes < 2:
+    if loss not in (*REGRESSION_LOSSES, "binary_crossentropy") and model.num_classes < 2:
         raise SpecError(
             "model.num_classes",
             "too_small",
