@@ -1361,12 +1361,29 @@ def sweep(
     wait: Annotated[
         bool, typer.Option("--wait/--no-wait", help="Wait for every variant and print the table.")
     ] = True,
+    code: Annotated[
+        str | None,
+        typer.Option(
+            "--code",
+            metavar="DIR",
+            help="Pack and upload DIR; fill the base's code.bundle.",
+            show_default=False,
+        ),
+    ] = None,
     url: UrlOption = None,
     token: TokenOption = None,
 ) -> None:
     """Run one job per precision variant of a spec and compare them side by side."""
     spec = load_spec(spec_file)
     body: dict[str, Any] = dict(spec) if "base" in spec or "variants" in spec else {"base": spec}
+    if code is not None:
+        section = body.get("base", {}).get("code")
+        if not isinstance(section, dict):
+            raise CliError("--code needs a 'code' section in the spec", ExitCode.USAGE)
+        from service.code_cli import push
+
+        with connect(url, token) as client:
+            section["bundle"] = push(client, code, Ui.create())
     if policies:
         body["policies"] = [p.strip() for p in policies.split(",") if p.strip()]
     if target_loss is not None:

@@ -375,3 +375,16 @@ def test_pack_skips_vcs_caches_venvs_and_ignored(tmp_path: Path) -> None:
     with tarfile.open(fileobj=io.BytesIO(codepack.pack(root))) as tar:
         assert sorted(tar.getnames()) == codepack.files(root)
     assert json.dumps(codepack.files(root))
+
+
+def test_code_modules_of_the_api_import_no_tensorflow() -> None:
+    code = (
+        "import sys\n"
+        "import service.code, service.grants, service.codepack, service.code_cli\n"
+        "import service.routes.code, workers.supervisor\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras'))\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

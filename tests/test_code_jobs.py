@@ -189,7 +189,8 @@ MARKER_BUNDLE = {
         "    rng = np.random.default_rng(0)\n"
         "    x = rng.normal(size=(64, 4)).astype('float32')\n"
         "    y = (x.sum(axis=1) > 0).astype('int32')\n"
-        "    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, activation='softmax')])\n"
+        "    dense = keras.layers.Dense(2, activation='softmax')\n"
+        "    model = keras.Sequential([keras.Input((4,)), dense])\n"
         "    return {'model': model, 'train': (x, y)}\n"
     ),
 }
@@ -216,7 +217,10 @@ def test_only_the_training_child_imports_the_bundle(
     marker = tmp_path / "imported-by"
     monkeypatch.setenv("HALFWAY_TEST_MARKER", str(marker))
     digest = push(live, bundle_dir(tmp_path, MARKER_BUNDLE))
-    spec = {"code": {"bundle": digest, "entrypoint": "probe.model:build"}, "training": {"epochs": 2}}
+    spec = {
+        "code": {"bundle": digest, "entrypoint": "probe.model:build"},
+        "training": {"epochs": 2},
+    }
     live.api("POST", "/v1/jobs?dry_run=true", live.team.admin, json=spec)
     job_id = live.api("POST", "/v1/jobs", live.team.admin, json=spec)["id"]
     assert not marker.exists(), "the API imported the bundle"
@@ -307,7 +311,7 @@ def test_an_exception_in_user_code_fails_once_naming_the_bundle_line(
         headers={"Authorization": f"Bearer {live.team.admin}"},
     ).text
     assert "Traceback (most recent call last)" in log
-    assert 'bad/train.py", line 10, in build' in log and 'line 6, in helper' in log
+    assert 'bad/train.py", line 10, in build' in log and "line 6, in helper" in log
 
 
 # --------------------------------------------------------------------------------------------

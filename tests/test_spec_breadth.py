@@ -41,7 +41,12 @@ def train(tmp_path: Path, body: dict[str, Any]) -> Run:
 
 
 def epoch_metrics(run: Run) -> list[dict[str, float]]:
-    return [dict(m["metrics"]) for m in run.of_type("metrics") if m["epoch"] >= 0]
+    out: list[dict[str, float]] = []
+    for m in run.of_type("metrics"):
+        message: dict[str, Any] = dict(m)
+        if message["epoch"] >= 0:
+            out.append(dict(message["metrics"]))
+    return out
 
 
 def falls(run: Run) -> None:
@@ -51,7 +56,7 @@ def falls(run: Run) -> None:
     assert per_epoch[-1]["loss"] < 0.8 * per_epoch[0]["loss"], per_epoch
 
 
-CLASSIFY = {
+CLASSIFY: dict[str, Any] = {
     "data": {"kind": "synthetic", "samples": 512, "features": 8, "classes": 3, "separation": 6},
     "model": {"input_size": 8, "hidden": [16], "num_classes": 3},
     "optimizer": {"learning_rate": 0.01},
@@ -64,11 +69,13 @@ def regression_npz(tmp_path: Path, outputs: int = 1) -> str:
     x = rng.normal(size=(512, 6)).astype(np.float32)
     w = rng.normal(size=(6, outputs)).astype(np.float32)
     y = x @ w + 0.05 * rng.normal(size=(512, outputs)).astype(np.float32)
-    np.savez(data_dir(tmp_path) / "regression.npz", x_train=x, y_train=y[:, 0] if outputs == 1 else y)
+    np.savez(
+        data_dir(tmp_path) / "regression.npz", x_train=x, y_train=y[:, 0] if outputs == 1 else y
+    )
     return "regression.npz"
 
 
-REGRESSION = {
+REGRESSION: dict[str, Any] = {
     "model": {"input_size": 6, "hidden": [16], "num_classes": 1},
     "optimizer": {"learning_rate": 0.01},
     "training": {"epochs": 6, "batch_size": 32},
@@ -109,9 +116,7 @@ def test_binary_crossentropy_on_two_classes_with_one_sigmoid_output(tmp_path: Pa
     assert head["class"] == "Activation"
 
 
-@pytest.mark.parametrize(
-    "loss", ["mse", "mae", {"name": "huber", "delta": 0.5}, "log_cosh"]
-)
+@pytest.mark.parametrize("loss", ["mse", "mae", {"name": "huber", "delta": 0.5}, "log_cosh"])
 def test_regression_losses_on_npz_targets(tmp_path: Path, loss: Any) -> None:
     path = regression_npz(tmp_path)
     body = {
@@ -137,12 +142,16 @@ def test_multi_output_regression_with_mse(tmp_path: Path) -> None:
     falls(train(tmp_path, body))
 
 
-SCHEDULES = [
+SCHEDULES: list[dict[str, Any]] = [
     {"kind": "constant", "warmup_steps": 20},
     {"kind": "cosine_decay", "decay_steps": 60, "alpha": 0.1, "warmup_steps": 10},
     {"kind": "exponential_decay", "decay_steps": 20, "decay_rate": 0.5, "staircase": True},
-    {"kind": "piecewise_constant", "boundaries": [30, 60], "values": [0.02, 0.01, 0.002],
-     "warmup_steps": 5},
+    {
+        "kind": "piecewise_constant",
+        "boundaries": [30, 60],
+        "values": [0.02, 0.01, 0.002],
+        "warmup_steps": 5,
+    },
 ]
 
 
@@ -198,8 +207,13 @@ def test_image_directory_trains_a_cnn_with_a_validation_split(tmp_path: Path) ->
             "color_mode": "grayscale",
             "validation_split": 0.25,
         },
-        "model": {"kind": "cnn", "input_shape": [8, 8, 1], "filters": [4], "dense": 8,
-                  "num_classes": 2},
+        "model": {
+            "kind": "cnn",
+            "input_shape": [8, 8, 1],
+            "filters": [4],
+            "dense": 8,
+            "num_classes": 2,
+        },
         "optimizer": {"learning_rate": 0.01},
         "training": {"epochs": 8, "batch_size": 8},
     }
@@ -212,9 +226,13 @@ def test_image_directory_trains_a_cnn_with_a_validation_split(tmp_path: Path) ->
 
 def test_image_directory_is_checked_at_submission(api: Api, settings: Settings) -> None:
     folder = settings.resolved_data_dir() / "shades"
-    body = {
-        "data": {"kind": "image_directory", "path": "shades", "image_size": [8, 8],
-                 "color_mode": "grayscale"},
+    body: dict[str, Any] = {
+        "data": {
+            "kind": "image_directory",
+            "path": "shades",
+            "image_size": [8, 8],
+            "color_mode": "grayscale",
+        },
         "model": {"kind": "cnn", "input_shape": [8, 8, 1], "num_classes": 2},
     }
     r = api.post("/v1/jobs?dry_run=true", json=body)
@@ -238,15 +256,32 @@ def test_image_directory_is_checked_at_submission(api: Api, settings: Settings) 
     ("section", "value", "field", "rule"),
     [
         ("training", {"loss": "hinge"}, "training.loss.name", "literal_error"),
-        ("training", {"loss": {"name": "mse", "from_logits": True}}, "training.loss", "argument_not_for_loss"),
-        ("training", {"loss": {"name": "sparse_categorical_crossentropy", "label_smoothing": 0.1}},
-         "training.loss", "argument_not_for_loss"),
+        (
+            "training",
+            {"loss": {"name": "mse", "from_logits": True}},
+            "training.loss",
+            "argument_not_for_loss",
+        ),
+        (
+            "training",
+            {"loss": {"name": "sparse_categorical_crossentropy", "label_smoothing": 0.1}},
+            "training.loss",
+            "argument_not_for_loss",
+        ),
         ("training", {"metrics": ["f1"]}, "training.metrics.0", "literal_error"),
         ("optimizer", {"schedule": {"kind": "cosine_decay"}}, "optimizer.schedule", "missing"),
-        ("optimizer", {"schedule": {"kind": "piecewise_constant", "boundaries": [5, 3],
-                                    "values": [1, 2, 3]}}, "optimizer.schedule", "boundaries"),
-        ("optimizer", {"schedule": {"kind": "constant", "decay_steps": 3}}, "optimizer.schedule",
-         "argument_not_for_schedule"),
+        (
+            "optimizer",
+            {"schedule": {"kind": "piecewise_constant", "boundaries": [5, 3], "values": [1, 2, 3]}},
+            "optimizer.schedule",
+            "boundaries",
+        ),
+        (
+            "optimizer",
+            {"schedule": {"kind": "constant", "decay_steps": 3}},
+            "optimizer.schedule",
+            "argument_not_for_schedule",
+        ),
         ("model", {"num_classes": 1}, "model.num_classes", "too_small"),
     ],
 )
