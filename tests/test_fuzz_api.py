@@ -65,6 +65,8 @@ OPERATIONS = [
     "POST /v1/datasets",
     "POST /v1/sweeps",
     "GET /v1/sweeps/{sweep_id}",
+    "POST /v1/code",
+    "GET /v1/code/{digest}",
 ]
 
 # Schema-valid input that a rule spanning several fields still refuses, rightly, with a 422:
@@ -73,6 +75,7 @@ OPERATIONS = [
 # JSON Schema cannot say these, so "valid data is accepted" is not checked here; the 422 must
 # still name the field (checked for every operation).
 CROSS_FIELD = {
+    "POST /v1/code",
     "POST /v1/jobs",
     "POST /v1/sweeps",
     "POST /v1/datasets",
@@ -261,3 +264,10 @@ def test_fuzzed_requests_get_documented_answers_never_a_5xx(
     seeded: Seeded, team: Team, label: str
 ) -> None:
     _fuzz(seeded, label, team.alice)
+
+
+def test_fuzzed_code_uploads_by_an_admin_get_documented_answers(
+    seeded: Seeded, team: Team
+) -> None:
+    # Alice may not upload code (403); an admin's uploads reach the archive checks.
+    _fuzz(seeded, "POST /v1/code", team.admin)
