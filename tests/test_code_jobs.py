@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import os
 import signal
 import tarfile
@@ -186,6 +187,11 @@ MARKER_BUNDLE = {
         "\n"
         "\n"
         "def build(args):\n"
+        "    import json, tensorflow as tf\n"
+        "    facts = {'policy': keras.config.dtype_policy().name,\n"
+        "             'replicas': tf.distribute.get_strategy().num_replicas_in_sync}\n"
+        "    with open(os.environ['HALFWAY_TEST_MARKER'] + '.facts', 'w') as f:\n"
+        "        json.dump(facts, f)\n"
         "    rng = np.random.default_rng(0)\n"
         "    x = rng.normal(size=(64, 4)).astype('float32')\n"
         "    y = (x.sum(axis=1) > 0).astype('int32')\n"
@@ -220,6 +226,9 @@ def test_only_the_training_child_imports_the_bundle(
     spec = {
         "code": {"bundle": digest, "entrypoint": "probe.model:build"},
         "training": {"epochs": 2},
+        # The function runs under the job's policy and inside the strategy's scope.
+        "precision": {"policy": "mixed_bfloat16"},
+        "resources": {"cpu_replicas": 2},
     }
     live.api("POST", "/v1/jobs?dry_run=true", live.team.admin, json=spec)
     job_id = live.api("POST", "/v1/jobs", live.team.admin, json=spec)["id"]
@@ -238,6 +247,9 @@ def test_only_the_training_child_imports_the_bundle(
     assert os.getpid() not in pids
     rows = history(live, job_id)
     assert [r["step"] for r in rows] == list(range(4))  # 64 samples / 32, two epochs
+    facts = json.loads(Path(f"{marker}.facts").read_text())
+    assert facts == {"policy": "mixed_bfloat16", "replicas": 2}
+    assert job["device"]["replicas"] == 2
     assert "probe" not in {m.split(".")[0] for m in __import__("sys").modules}
 
 

@@ -266,8 +266,6 @@ def test_fuzzed_requests_get_documented_answers_never_a_5xx(
     _fuzz(seeded, label, team.alice)
 
 
-def test_fuzzed_code_uploads_by_an_admin_get_documented_answers(
-    seeded: Seeded, team: Team
-) -> None:
+def test_fuzzed_code_uploads_by_an_admin_get_documented_answers(seeded: Seeded, team: Team) -> None:
     # Alice may not upload code (403); an admin's uploads reach the archive checks.
     _fuzz(seeded, "POST /v1/code", team.admin)
