@@ -125,6 +125,12 @@ def test_own_code_example_through_the_cli_trains_under_halfways_scaler_and_recor
     assert job["summary"]["metrics"]["last_epoch"]["mae"] > 0
     job_dir = settings.resolved_artifact_dir() / str(job["id"])
     assert (job_dir / "model.keras").is_file() and (job_dir / "model.weights.h5").is_file()
+    listed = {a["name"] for a in live.api("GET", f"/v1/jobs/{job['id']}/artifacts")}
+    assert {"model.keras", "model.weights.h5", "train.log"} <= listed
+    shown = halfway(live, "show", str(job["id"]))
+    assert shown.returncode == 0, shown.stderr
+    assert f"regression.train:build from {job['spec']['code']['bundle']}" in shown.stdout
+    assert "mlp" not in shown.stdout
 
 
 def test_the_bundle_as_a_three_variant_sweep_measures_every_comparison_field(
