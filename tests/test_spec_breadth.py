@@ -5,6 +5,7 @@ CPU (in this process, through the real schema and normalization)."""
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Any
@@ -292,3 +293,28 @@ def test_bad_loss_metric_and_schedule_are_422s_naming_the_field(
     assert r.status_code == 422, r.text
     (problem,) = r.json()["fields"]
     assert (problem["field"], problem["rule"]) == (field, rule), problem
+
+
+def test_an_uploaded_npz_of_regression_targets_is_accepted_for_mse(api: Api) -> None:
+    rng = np.random.default_rng(0)
+    buffer = io.BytesIO()
+    x = rng.normal(size=(40, 3)).astype(np.float32)
+    np.savez(buffer, x_train=x, y_train=x.sum(axis=1))
+    r = api.post("/v1/datasets", files={"file": ("r.npz", buffer.getvalue())}, data={"name": "r"})
+    assert r.status_code == 201, r.text
+    assert r.json()["arrays"]["y_train"] == {"shape": [40], "dtype": "float32"}
+    spec = {
+        "data": {"kind": "npz", "path": r.json()["path"]},
+        "model": {"input_size": 3, "num_classes": 1},
+        "training": {"loss": "mse"},
+    }
+    assert api.post("/v1/jobs?dry_run=true", json=spec).status_code == 200
+
+
+def test_float_targets_with_a_classification_loss_fail_the_job_clearly(tmp_path: Path) -> None:
+    path = regression_npz(tmp_path)
+    body = {**REGRESSION, "data": {"kind": "npz", "path": path}}
+    body["model"] = {**REGRESSION["model"], "num_classes": 2}
+    run = run_job(spec_of(tmp_path, body), data_dir(tmp_path) / "job")
+    assert run.status is None
+    assert run.error is not None and "y_train must be integer class labels" in run.error
