@@ -58,13 +58,6 @@ class Bundle:
     created: bool
 
 
-@dataclass(frozen=True)
-class _Member:
-    path: str  # normalized, relative, POSIX
-    size: int
-    is_dir: bool
-
-
 def store(upload: IO[bytes], code_dir: Path, limits: Limits) -> Bundle:
     """Check and unpack an uploaded archive; return its bundle (``created`` False when the
     same content was stored before)."""
@@ -76,6 +69,8 @@ def store(upload: IO[bytes], code_dir: Path, limits: Limits) -> Bundle:
         tree = work / "tree"
         tree.mkdir()
         files, total = _unpack(archive, compressed, tree, limits)
+        if files == 0:
+            raise BundleError("empty", "holds no files")
         digest = tree_digest(tree)
         target = bundle_dir(code_dir, digest)
         created = True
@@ -253,15 +248,26 @@ def _member_path(name: str) -> str:
     return "/".join(parts)
 
 
-def _write(tree: Path, member: _Member, source: IO[bytes], budget: _Budget) -> None:
-    target = tree / member.path
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():
-        raise BundleError("duplicate", f"member {member.path!r} appears twice")
-    with open(target, "xb") as out:
+def _write(tree: Path, path: str, source: IO[bytes], budget: _Budget) -> None:
+    target = tree / path
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        out = open(target, "xb")  # noqa: SIM115 (closed by the with below)
+    except (FileExistsError, NotADirectoryError, IsADirectoryError):
+        raise BundleError(
+            "duplicate", f"member {path!r} appears twice, or as both a file and a folder"
+        ) from None
+    with out:
         while chunk := source.read(CHUNK):
             budget.add(len(chunk))
             out.write(chunk)
+
+
+def _folder(tree: Path, path: str) -> None:
+    try:
+        (tree / path).mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise BundleError("duplicate", f"member {path!r} is both a file and a folder") from None
 
 
 def _unpack_zip(archive: Path, compressed: int, tree: Path, limits: Limits) -> tuple[int, int]:
@@ -275,19 +281,19 @@ def _unpack_zip(archive: Path, compressed: int, tree: Path, limits: Limits) -> t
         for info in infos:
             _check_zip_member(info)
         if sum(not i.is_dir() for i in infos) > limits.max_files:
-            budget.files = limits.max_files
+            budget.files = limits.max_files  # the central directory says so: refuse now
             budget.file()
         for info in infos:
             path = _member_path(info.filename)
             if not path:
                 continue
             if info.is_dir():
-                (tree / path).mkdir(parents=True, exist_ok=True)
+                _folder(tree, path)
                 continue
             budget.file()
             try:
                 with zf.open(info) as source:
-                    _write(tree, _Member(path, info.file_size, False), source, budget)
+                    _write(tree, path, source, budget)
             except (
                 zipfile.BadZipFile,
                 RuntimeError,
@@ -328,7 +334,7 @@ def _unpack_tar(archive: Path, compressed: int, tree: Path, limits: Limits) -> t
                     raise BundleError("link", f"member {info.name!r} is a link")
                 if info.isdir():
                     if path:
-                        (tree / path).mkdir(parents=True, exist_ok=True)
+                        _folder(tree, path)
                     continue
                 if not info.isreg():
                     raise BundleError(
@@ -341,7 +347,7 @@ def _unpack_tar(archive: Path, compressed: int, tree: Path, limits: Limits) -> t
                 source = tf.extractfile(info)
                 assert source is not None  # a regular member always has contents
                 with source:
-                    _write(tree, _Member(path, info.size, False), source, budget)
+                    _write(tree, path, source, budget)
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise BundleError("not_an_archive", f"the .tar.gz is damaged: {exc}") from None
     return budget.files, budget.bytes

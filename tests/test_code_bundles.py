@@ -150,6 +150,10 @@ BAD_ARCHIVES: dict[str, tuple[bytes, str]] = {
     "device_tar": (tar_with(_device()), "special_file"),
     "fifo_tar": (tar_with(_fifo()), "special_file"),
     "not_an_archive": (b"print('hello')\n" * 10, "not_an_archive"),
+    "file_then_folder": (tar_gz({"pkg": b"x", "pkg/a.py": b"y"}), "duplicate"),
+    "twice": (tar_gz({"pkg/a.py": b"x", "./pkg/a.py": b"y"}), "duplicate"),
+    "empty_tar": (tar_gz({}), "empty"),
+    "empty_zip": (zip_bytes({}), "empty"),
     "gzip_of_text": (__import__("gzip").compress(b"just text, not a tar" * 50), "not_an_archive"),
     "truncated_tar": (tar_gz({"pkg/a.py": os.urandom(50_000)})[:5_000], "not_an_archive"),
 }
