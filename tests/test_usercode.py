@@ -252,7 +252,7 @@ def test_a_resumed_tf_data_pipeline_continues_exactly(bundle: Bundle, tmp_path: 
     sections: dict[str, Any] = {
         "training": {
             "epochs": 3,
-            "batch_size": 16,
+            "batch_size": 64,  # not the pipeline's: it batches by 16 itself
             "steps_per_execution": 2,
             "checkpoint_every": 4,
         },
@@ -261,6 +261,8 @@ def test_a_resumed_tf_data_pipeline_continues_exactly(bundle: Bundle, tmp_path: 
     whole = run_code(bundle, "pipeline", tmp_path, job="whole", **sections)
     assert whole.status == "succeeded", whole.error
     assert [r[0] for r in whole.records] == list(range(30))
+    (timing,) = [m["metrics"] for m in fields(whole, "metrics") if m["epoch"] == -1]
+    assert timing["examples_per_second"] == pytest.approx(16 / timing["median_step_seconds"])
     cut = run_code(bundle, "pipeline", tmp_path, job="cut", stop_after_step=13, **sections)
     assert cut.status == "cancelled"
     checkpoint: int = max(m["step"] for m in fields(cut, "checkpoint"))

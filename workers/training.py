@@ -539,6 +539,7 @@ class Plan:
     resume_note: Callable[[int, int], str | None] | None = None
     # Turns an exception raised in fit() into the job's own error (no retry), or None.
     blame: Callable[[Exception], Exception | None] | None = None
+    batch_size: int | None = None  # examples per step, when not training.batch_size
 
 
 def executions(
@@ -644,7 +645,12 @@ def run_plan(ctx: RunContext, plan: Plan, device: dict[str, Any]) -> str:
     ls = spec["loss_scale"]
     guards = Guards(spec["guards"], ls["min_scale"] if ls["mode"] == "dynamic" else None)
     stream = StepStream(
-        ctx, recorder, guards, checkpointer, training["checkpoint_every"], training["batch_size"]
+        ctx,
+        recorder,
+        guards,
+        checkpointer,
+        training["checkpoint_every"],
+        plan.batch_size or training["batch_size"],
     )
     if spec.get("outputs", {}).get("tensorboard"):
         stream.tensorboard = tf.summary.create_file_writer(str(ctx.job_dir / "tensorboard"))

@@ -95,7 +95,7 @@ def blame_user(root: Path, during: str) -> Iterator[None]:
         yield
     except JobError:
         raise
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a sys.exit() in user code is theirs too
         raise user_error(exc, root, during) from exc
 
 
@@ -289,7 +289,15 @@ def plan_code_job(
         save=lambda job_dir: _save(built, job_dir, ctx),
         resume_note=resume_note,
         blame=lambda exc: _training_error(exc, root),
+        batch_size=_batch_size(sample[0]),
     )
+
+
+def _batch_size(x: Any) -> int | None:
+    """Examples in the first batch (the pipeline's own batch size, for examples/s)."""
+    first = tf.nest.flatten(x)[0]
+    size = first.shape[0] if len(first.shape) else None
+    return int(size) if size is not None else None
 
 
 def _training_error(exc: Exception, root: Path) -> JobError | None:
