@@ -10,6 +10,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import signal
 import tarfile
 import threading
@@ -137,24 +138,23 @@ def test_the_bundle_as_a_three_variant_sweep_measures_every_comparison_field(
     live: Live, worker: Supervisor, settings: Settings
 ) -> None:
     write_records(settings.resolved_data_dir() / "own-code")
-    base = example_spec(push(live, EXAMPLE / "bundle"))
-    del base["faults"], base["loss_scale"]
-    base["training"]["epochs"] = 6  # the time to target needs 50 steps of history
-    sweep = live.api(
-        "POST",
-        "/v1/sweeps",
-        live.team.admin,
-        json={
-            "name": "own",
-            "base": base,
-            "policies": ["float32", "mixed_float16", "mixed_bfloat16"],
-            "target_loss": 1.5,
-        },
+    result = halfway(
+        live,
+        "sweep",
+        str(EXAMPLE / "sweep.yaml"),
+        "--code",
+        str(EXAMPLE / "bundle"),
+        env={"HALFWAY_TOKEN": live.team.admin, "COLUMNS": "250"},
     )
-    deadline = time.monotonic() + 600
-    while not sweep["done"] and time.monotonic() < deadline:
-        time.sleep(1)
-        sweep = live.api("GET", f"/v1/sweeps/{sweep['id']}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "code bundle sha256:" in result.stdout
+    for policy in ("float32", "mixed_float16", "mixed_bfloat16"):
+        assert f"own-code-precision/{policy}" in result.stdout
+    found = re.search(r"^sweep (\d+): 3 jobs", result.stdout, re.MULTILINE)
+    assert found is not None, result.stdout
+    sweep_id = int(found.group(1))
+    sweep = live.api("GET", f"/v1/sweeps/{sweep_id}")
+    assert sweep["done"]
     variants = {v["policy"]: v for v in sweep["variants"]}
     assert set(variants) == {"float32", "mixed_float16", "mixed_bfloat16"}
     for policy, v in variants.items():

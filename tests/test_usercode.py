@@ -134,8 +134,10 @@ def bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Bundle]:
     stored = code.store(
         io.BytesIO(pack(root)), settings.resolved_code_dir(), code.Limits(10**7, 100, 100)
     )
-    # The job changes directory and imports the bundle: undo both for the next test.
+    # The job changes directory, sets HALFWAY_DATA_DIR and imports the bundle: undo all
+    # three for the next test.
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HALFWAY_DATA_DIR", str(settings.resolved_data_dir()))
     monkeypatch.setenv("SEEN_FILE", str(tmp_path / "seen.jsonl"))
     saved_path = list(sys.path)
     yield Bundle(settings, stored.digest)
