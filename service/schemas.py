@@ -925,7 +925,8 @@ class ErrorOut(BaseModel):
 
 ERROR_DESCRIPTIONS = {
     401: "Missing or invalid token",
-    403: "Only the job's owner or an admin may do this",
+    403: "Not allowed: only the job's owner or an admin may change a job, and only users "
+    "with the right to run code (HALFWAY_CODE_JOBS) may upload or submit code",
     404: "No such job or sweep",
     409: "Conflicts with the resource's state",
     413: "Request body over the server's limit",
