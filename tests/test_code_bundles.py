@@ -393,3 +393,33 @@ def test_code_modules_of_the_api_import_no_tensorflow() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_code_push_through_the_cli(live: Any, tmp_path: Path) -> None:
+    from tests.live import halfway
+
+    root = tmp_path / "proj"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "train.py").write_text(TRAIN_PY.decode())
+    admin = {"HALFWAY_TOKEN": live.team.admin}
+    first = halfway(live, "code", "push", str(root), env=admin)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "(2 files," in first.stdout and "uploaded" in first.stdout
+    digest = first.stdout.split()[2]
+    assert digest.startswith("sha256:")
+    again = halfway(live, "code", "push", str(root), env=admin)
+    assert again.returncode == 0 and "already on the server" in again.stdout
+    assert again.stdout.split()[2] == digest
+    # Alice is a member and the default is HALFWAY_CODE_JOBS=admins: 403, exit code 5.
+    refused = halfway(live, "code", "push", str(root))
+    assert refused.returncode == 5, refused.stdout + refused.stderr
+    assert "HALFWAY_CODE_JOBS" in refused.stdout + refused.stderr
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"training": {"epochs": 1}}))
+    no_section = halfway(live, "submit", str(spec), "--code", str(root), env=admin)
+    assert no_section.returncode == 2 and "needs a 'code' section" in no_section.stderr
+    spec.write_text(json.dumps({"code": {"entrypoint": "pkg.train:build"}}))
+    dry = halfway(live, "submit", str(spec), "--code", str(root), "--dry-run", env=admin)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert digest in dry.stdout and "The spec is valid" in dry.stdout
