@@ -23,7 +23,7 @@ from service.db import Database
 from service.errors import HalfwayError, SpecError, TooManyRequests
 from service.metrics import MetricsRegistry, ObserveRequests, metrics_response
 from service.pollcache import PollCache
-from service.routes import artifacts, dashboard, datasets, history, jobs, meta, sweeps
+from service.routes import artifacts, code, dashboard, datasets, history, jobs, meta, sweeps
 from service.schemas import LEGACY_AMP_ENV
 from service.settings import Settings
 
@@ -276,6 +276,7 @@ def create_app(
     app.include_router(artifacts.router)
     app.include_router(datasets.router)
     app.include_router(sweeps.router)
+    app.include_router(code.router)
     app.include_router(dashboard.router)
     dashboard.mount_static(app)
     openapi.install(app)
@@ -288,6 +289,10 @@ def create_app(
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,
-        overrides={"/v1/datasets": settings.max_upload_bytes},
+        overrides={
+            "/v1/datasets": settings.max_upload_bytes,
+            # An archive is at most its unpacked size, plus the multipart envelope.
+            "/v1/code": settings.max_code_bytes + 65_536,
+        },
     )
     return app

@@ -6,12 +6,13 @@ import ipaddress
 import logging
 import threading
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Annotated, TypeVar
 
 import typer
 from sqlalchemy.orm import Session
 
-from service import auth, migrate
+from service import auth, grants, migrate
 from service.client import commands as client_commands
 from service.db import Database
 from service.settings import Settings
@@ -223,6 +224,9 @@ def db_upgrade(revision: str = "head") -> None:
 def users_add(
     name: str,
     admin: Annotated[bool, typer.Option("--admin", help="Give the admin role.")] = False,
+    code: Annotated[
+        bool, typer.Option("--code", help="Grant the right to upload and run code bundles.")
+    ] = False,
 ) -> None:
     """Create a user and print its token (shown once; only a hash is stored)."""
     from service.errors import Conflict
@@ -233,6 +237,8 @@ def users_add(
     try:
         with db.write() as session:
             token = auth.add_user(session, name, admin=admin)
+            if code:
+                grants.grant(session, name, "code")
     except Conflict as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
@@ -305,6 +311,40 @@ def users_enable(name: str) -> None:
         lambda session: auth.set_disabled(session, name, False),
         lambda changed: f"{name} {'is now' if changed else 'was already'} enabled.",
     )
+
+
+class Right(StrEnum):
+    code = "code"
+
+
+def _change_grant(name: str, right: Right, give: bool) -> None:
+    from service.errors import Conflict
+
+    settings = Settings()
+    db = _database(settings)
+    migrate.upgrade(db.engine)
+    try:
+        with db.write() as session:
+            changed = (grants.grant if give else grants.revoke)(session, name, right.value)
+    except Conflict as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    if give:
+        typer.echo(f"{name} may run {right.value}" + ("" if changed else " (already could)"))
+    else:
+        typer.echo(f"{name} no longer holds {right.value}" + ("" if changed else " (never did)"))
+
+
+@users_app.command("grant")
+def users_grant(name: str, right: Right) -> None:
+    """Give a user a right (code: upload and run code bundles when HALFWAY_CODE_JOBS=admins)."""
+    _change_grant(name, right, give=True)
+
+
+@users_app.command("revoke")
+def users_revoke(name: str, right: Right) -> None:
+    """Take a right from a user."""
+    _change_grant(name, right, give=False)
 
 
 def main() -> None:

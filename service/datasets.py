@@ -94,12 +94,17 @@ def validate(infos: dict[str, ArrayInfo]) -> None:
             )
         if not np.issubdtype(np.dtype(x.dtype), np.number) or np.dtype(x.dtype).kind == "c":
             raise SpecError("file", "dtype", f"x_{split} must be real numbers, got {x.dtype}")
-        if not (len(y.shape) == 1 or (len(y.shape) == 2 and y.shape[1] == 1)):
+        if len(y.shape) not in (1, 2):
             raise SpecError(
-                "file", "shape", f"y_{split} must be class labels of shape (n,), got {y.shape}"
+                "file",
+                "shape",
+                f"y_{split} must be labels or targets of shape (n,) or (n, k), got {y.shape}",
             )
-        if not np.issubdtype(np.dtype(y.dtype), np.integer):
-            raise SpecError("file", "dtype", f"y_{split} must be integers, got {y.dtype}")
+        # Integer class labels, or real targets for a regression or multi-label loss; which
+        # one a job needs is checked when it trains (its loss says).
+        y_dtype = np.dtype(y.dtype)
+        if not np.issubdtype(y_dtype, np.number) or y_dtype.kind == "c":
+            raise SpecError("file", "dtype", f"y_{split} must be real numbers, got {y.dtype}")
         if x.shape[0] != y.shape[0]:
             raise SpecError(
                 "file",

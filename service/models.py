@@ -282,3 +282,18 @@ class Sweep(Base):
     variants: Mapped[list[Any]]
     target_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class UserGrant(Base):
+    """A right given to one user beyond their role (``code``: upload and run code bundles
+    where HALFWAY_CODE_JOBS is ``admins``). A table of its own, so rights do not widen the
+    user row; a removed user's grants go with it."""
+
+    __tablename__ = "user_grant"
+    __table_args__ = (CheckConstraint("right_name IN ('code')", name="ck_user_grant_right"),)
+
+    user_id: Mapped[int] = mapped_column(
+        ForeignKey("user.id", ondelete="CASCADE"), primary_key=True
+    )
+    right_name: Mapped[str] = mapped_column(String(16), primary_key=True)
+    granted_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -20,10 +20,12 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    SerializerFunctionWrapHandler,
     Tag,
     ValidationError,
     WithJsonSchema,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -293,7 +295,9 @@ class MLPModel(StrictModel):
         default_factory=lambda: [128], max_length=64
     )
     activation: Activation = "relu"
-    num_classes: int = Field(default=10, ge=2, le=100_000)
+    num_classes: int = Field(
+        default=10, ge=1, le=100_000, description="Outputs; 1 for a regression loss"
+    )
     dropout: float = Field(default=0.0, ge=0, lt=1)
 
     def parameter_count(self) -> int:
@@ -318,7 +322,9 @@ class CNNModel(StrictModel):
     kernel_size: int = Field(default=3, ge=1, le=11)
     dense: int = Field(default=128, ge=1, le=65_536)
     activation: Activation = "relu"
-    num_classes: int = Field(default=10, ge=2, le=100_000)
+    num_classes: int = Field(
+        default=10, ge=1, le=100_000, description="Outputs; 1 for a regression loss"
+    )
     dropout: float = Field(default=0.0, ge=0, lt=1)
 
     def parameter_count(self) -> int:
@@ -345,7 +351,9 @@ class TransformerModel(StrictModel):
     num_heads: int = Field(default=4, ge=1, le=64)
     ff_dim: int = Field(default=128, ge=1, le=16_384)
     num_layers: int = Field(default=2, ge=1, le=24)
-    num_classes: int = Field(default=2, ge=2, le=100_000)
+    num_classes: int = Field(
+        default=2, ge=1, le=100_000, description="Outputs; 1 for a regression loss"
+    )
     dropout: float = Field(default=0.1, ge=0, lt=1)
 
     @model_validator(mode="after")
@@ -454,6 +462,26 @@ class KerasData(StrictModel):
     max_samples: int | None = Field(default=None, ge=1, le=10**9)
 
 
+class ImageDirectoryData(StrictModel):
+    """A folder of class sub-folders of images under the data directory, read with
+    keras.utils.image_dataset_from_directory (labels from the sub-folder names, in order)."""
+
+    kind: Literal["image_directory"]
+    path: str = Field(
+        min_length=1, max_length=1024, description="A folder inside the data directory."
+    )
+    image_size: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
+        default_factory=lambda: [64, 64], min_length=2, max_length=2, description="[H, W]"
+    )
+    color_mode: Literal["grayscale", "rgb", "rgba"] = "rgb"
+    validation_split: float = Field(default=0.0, ge=0, le=0.5)
+    max_samples: int | None = Field(default=None, ge=1, le=10**9)
+
+    @property
+    def channels(self) -> int:
+        return {"grayscale": 1, "rgb": 3, "rgba": 4}[self.color_mode]
+
+
 KERAS_DATASET_SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
     "mnist": ((28, 28), 10),
     "fashion_mnist": ((28, 28), 10),
@@ -463,9 +491,47 @@ KERAS_DATASET_SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
 DataSpec = Annotated[
     Annotated[SyntheticData, Tag("synthetic")]
     | Annotated[NpzData, Tag("npz")]
-    | Annotated[KerasData, Tag("keras")],
-    _kind_of("synthetic", "synthetic", "npz", "keras"),
+    | Annotated[KerasData, Tag("keras")]
+    | Annotated[ImageDirectoryData, Tag("image_directory")],
+    _kind_of("synthetic", "synthetic", "npz", "keras", "image_directory"),
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# Your own code
+
+ENTRYPOINT = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+MAX_CODE_ARGS_BYTES = 64 * 1024
+
+
+class CodeSpec(StrictModel):
+    """Train your own code: ``entrypoint`` names a function in an uploaded bundle
+    (POST /v1/code); the training child calls it with ``args`` and trains what it returns."""
+
+    bundle: str = Field(
+        pattern=r"^sha256:[0-9a-f]{64}$", description="The digest POST /v1/code answered."
+    )
+    entrypoint: str = Field(
+        pattern=ENTRYPOINT, max_length=300, description="package.module:function"
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Any JSON object (up to 64 KB), passed to it."
+    )
+
+    @field_validator("args")
+    @classmethod
+    def _small_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            size = len(json.dumps(value, allow_nan=False).encode())
+        except ValueError:
+            raise PydanticCustomError("json", "must be plain JSON (no NaN or Infinity)") from None
+        if size > MAX_CODE_ARGS_BYTES:
+            raise PydanticCustomError(
+                "too_large",
+                "is {size} bytes of JSON; at most {limit}",
+                {"size": size, "limit": MAX_CODE_ARGS_BYTES},
+            )
+        return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,6 +544,65 @@ def _only_when(names: list[str], absent: list[str]) -> dict[str, Any]:
         "if": {"properties": {"name": {"enum": names}}},
         "then": {"properties": {field: {"type": "null"} for field in absent}},
     }
+
+
+class ScheduleSpec(StrictModel):
+    """A learning-rate schedule from the optimizer's learning_rate, with an optional linear
+    warm-up from 0 over ``warmup_steps`` first (the schedule then starts after it)."""
+
+    kind: Literal["constant", "cosine_decay", "exponential_decay", "piecewise_constant"] = (
+        "constant"
+    )
+    warmup_steps: int = Field(default=0, ge=0, le=10**9)
+    decay_steps: int | None = Field(
+        default=None, ge=1, le=10**9, description="cosine_decay and exponential_decay"
+    )
+    alpha: float | None = Field(
+        default=None, ge=0, le=1, description="cosine_decay: the final fraction of the rate"
+    )
+    decay_rate: float | None = Field(default=None, gt=0, le=1, description="exponential_decay")
+    staircase: bool | None = Field(default=None, description="exponential_decay")
+    boundaries: list[Annotated[int, Field(ge=0, le=10**9)]] | None = Field(
+        default=None, max_length=1000, description="piecewise_constant: steps, ascending"
+    )
+    values: list[Annotated[float, Field(gt=0, le=10)]] | None = Field(
+        default=None,
+        max_length=1001,
+        description="piecewise_constant: one more rate than boundaries",
+    )
+
+    @model_validator(mode="after")
+    def _arguments_fit(self) -> ScheduleSpec:
+        allowed = {
+            "constant": set(),
+            "cosine_decay": {"decay_steps", "alpha"},
+            "exponential_decay": {"decay_steps", "decay_rate", "staircase"},
+            "piecewise_constant": {"boundaries", "values"},
+        }[self.kind]
+        for field in ("decay_steps", "alpha", "decay_rate", "staircase", "boundaries", "values"):
+            if getattr(self, field) is not None and field not in allowed:
+                raise PydanticCustomError(
+                    "argument_not_for_schedule", f"{field} is not an argument of {self.kind}"
+                )
+        needed = {
+            "cosine_decay": ["decay_steps"],
+            "exponential_decay": ["decay_steps", "decay_rate"],
+            "piecewise_constant": ["boundaries", "values"],
+        }.get(self.kind, [])
+        for field in needed:
+            if getattr(self, field) is None:
+                raise PydanticCustomError("missing", f"{self.kind} needs {field}")
+        if self.kind == "piecewise_constant":
+            assert self.boundaries is not None and self.values is not None
+            if sorted(set(self.boundaries)) != self.boundaries:
+                raise PydanticCustomError(
+                    "boundaries", "boundaries must be strictly ascending steps"
+                )
+            if len(self.values) != len(self.boundaries) + 1:
+                raise PydanticCustomError(
+                    "values", "piecewise_constant needs one more value than boundaries"
+                )
+        return self
 
 
 class OptimizerSpec(StrictModel):
@@ -502,6 +627,10 @@ class OptimizerSpec(StrictModel):
     epsilon: float | None = Field(default=None, gt=0, le=1)
     weight_decay: float | None = Field(default=None, ge=0, le=1)
     clipnorm: float | None = Field(default=None, gt=0, le=1e6)
+    schedule: ScheduleSpec = Field(
+        default_factory=lambda: ScheduleSpec(kind="constant"),
+        description="How learning_rate changes with the optimizer's (applied) steps.",
+    )
 
     @model_validator(mode="after")
     def _arguments_fit(self) -> OptimizerSpec:
@@ -518,6 +647,82 @@ class OptimizerSpec(StrictModel):
                     f"{field} is not an argument of {self.name}",
                 )
         return self
+
+
+LossName = Literal[
+    "sparse_categorical_crossentropy",
+    "categorical_crossentropy",
+    "binary_crossentropy",
+    "mean_squared_error",
+    "mean_absolute_error",
+    "huber",
+    "log_cosh",
+]
+LOSS_ALIASES = {"mse": "mean_squared_error", "mae": "mean_absolute_error"}
+# The arguments each built-in loss takes (Keras 3's own names).
+LOSS_ARGUMENTS: dict[str, set[str]] = {
+    "sparse_categorical_crossentropy": {"from_logits"},
+    "categorical_crossentropy": {"from_logits", "label_smoothing"},
+    "binary_crossentropy": {"from_logits", "label_smoothing"},
+    "mean_squared_error": set(),
+    "mean_absolute_error": set(),
+    "huber": {"delta"},
+    "log_cosh": set(),
+}
+REGRESSION_LOSSES = ("mean_squared_error", "mean_absolute_error", "huber", "log_cosh")
+
+
+def _loss_object(value: Any) -> Any:
+    if isinstance(value, str):
+        value = {"name": value}
+    if isinstance(value, dict) and isinstance(value.get("name"), str):
+        value = {**value, "name": LOSS_ALIASES.get(value["name"], value["name"])}
+    return value
+
+
+class LossSpec(StrictModel):
+    """A Keras built-in loss by name (or ``{name, from_logits, label_smoothing, delta}``)."""
+
+    name: LossName
+    from_logits: bool | None = None
+    label_smoothing: float | None = Field(default=None, ge=0, lt=1)
+    delta: float | None = Field(default=None, gt=0, le=1e6, description="huber")
+
+    @model_validator(mode="after")
+    def _arguments_fit(self) -> LossSpec:
+        for field in ("from_logits", "label_smoothing", "delta"):
+            if getattr(self, field) is not None and field not in LOSS_ARGUMENTS[self.name]:
+                raise PydanticCustomError(
+                    "argument_not_for_loss", f"{field} is not an argument of {self.name}"
+                )
+        return self
+
+
+MetricName = Literal[
+    "accuracy",
+    "sparse_categorical_accuracy",
+    "categorical_accuracy",
+    "binary_accuracy",
+    "top_5_accuracy",
+    "mean_squared_error",
+    "mean_absolute_error",
+    "root_mean_squared_error",
+    "auc",
+    "precision",
+    "recall",
+]
+
+
+def _metric_name(value: Any) -> Any:
+    return (
+        {
+            "mse": "mean_squared_error",
+            "mae": "mean_absolute_error",
+            "rmse": ("root_mean_squared_error"),
+        }.get(value, value)
+        if isinstance(value, str)
+        else value
+    )
 
 
 class TrainingSpec(StrictModel):
@@ -545,6 +750,17 @@ class TrainingSpec(StrictModel):
         gt=0,
         le=1e6,
         description="Record when the loss (mean of the last 50 steps) first reaches this.",
+    )
+    loss: Annotated[LossSpec, BeforeValidator(_loss_object)] = Field(
+        default_factory=lambda: LossSpec(name="sparse_categorical_crossentropy"),
+        description="A Keras built-in loss: a name (mse and mae are accepted) or "
+        "{name, from_logits, label_smoothing, delta}.",
+    )
+    metrics: list[Annotated[MetricName, BeforeValidator(_metric_name)]] | None = Field(
+        default=None,
+        max_length=20,
+        description="Keras built-in metrics by name; default: accuracy for classification "
+        "losses, none for regression.",
     )
 
 
@@ -668,6 +884,25 @@ class JobSpec(StrictModel):
     forensics: ForensicsSpec = Field(default_factory=ForensicsSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     outputs: OutputsSpec = Field(default_factory=OutputsSpec)
+    code: CodeSpec | None = Field(
+        default=None,
+        description="Your own training code (a bundle's function); model and data must then "
+        "be absent.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _code_replaces_model_and_data(
+        self, handler: SerializerFunctionWrapHandler
+    ) -> dict[str, Any]:
+        # A code job has no model or data section (its function returns them), and a spec
+        # without code stores exactly what it stored before code jobs existed.
+        out: dict[str, Any] = handler(self)
+        if self.code is None:
+            out.pop("code", None)
+        else:
+            out.pop("model", None)
+            out.pop("data", None)
+        return out
 
     @model_validator(mode="before")
     @classmethod
@@ -827,7 +1062,8 @@ class ErrorOut(BaseModel):
 
 ERROR_DESCRIPTIONS = {
     401: "Missing or invalid token",
-    403: "Only the job's owner or an admin may do this",
+    403: "Not allowed: only the job's owner or an admin may change a job, and only users "
+    "with the right to run code (HALFWAY_CODE_JOBS) may upload or submit code",
     404: "No such job or sweep",
     409: "Conflicts with the resource's state",
     413: "Request body over the server's limit",

@@ -7,6 +7,7 @@ Nothing here runs at import time: ``Settings()`` is built by the CLI (or a test)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -30,6 +31,7 @@ class Settings(BaseSettings):
     artifact_dir: Path | None = Field(
         default=None, description="Job artifacts; default <home>/artifacts."
     )
+    code_dir: Path | None = Field(default=None, description="Code bundles; default <home>/code.")
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -54,6 +56,20 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1_000_000, gt=0)
     max_upload_bytes: int = Field(
         default=2 * 1024**3, gt=0, description="Largest dataset upload (POST /v1/datasets)."
+    )
+    # Code bundles (POST /v1/code) and who may run them.
+    code_jobs: Literal["admins", "members", "off"] = Field(
+        default="admins",
+        description="Who may upload code and run code jobs: admins (and members granted the "
+        "right), every member, or nobody.",
+    )
+    max_code_bytes: int = Field(default=50 * 1024**2, gt=0, description="Unpacked bundle size.")
+    max_code_files: int = Field(default=10_000, gt=0)
+    max_code_ratio: float = Field(
+        default=100.0,
+        gt=1,
+        description="Unpacked/compressed size above which an archive is "
+        "refused as a compression bomb.",
     )
     max_running_per_user: int = Field(default=0, ge=0, description="0 means no limit.")
     poll_cache_seconds: float = Field(
@@ -85,6 +101,9 @@ class Settings(BaseSettings):
 
     def resolved_artifact_dir(self) -> Path:
         return (self.artifact_dir or self.home / "artifacts").resolve()
+
+    def resolved_code_dir(self) -> Path:
+        return (self.code_dir or self.home / "code").resolve()
 
     def ensure_dirs(self) -> None:
         self.home.mkdir(parents=True, exist_ok=True)

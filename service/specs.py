@@ -7,12 +7,14 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from service import datasets
-from service.errors import SpecError
+from service import code, datasets
+from service.errors import FieldErrors, NotFound, SpecError
 from service.policies import POLICIES
 from service.schemas import (
     KERAS_DATASET_SHAPES,
+    REGRESSION_LOSSES,
     CNNModel,
+    ImageDirectoryData,
     JobSpec,
     KerasData,
     KerasModel,
@@ -31,6 +33,8 @@ def normalize(spec: JobSpec, settings: Settings) -> SubmitResult:
     """Resolve defaults that depend on other fields, check limits, and explain mappings."""
     warnings: list[str] = []
     notes: list[str] = []
+    if spec.code is not None:
+        check_code(spec, settings)
     spec = spec.model_copy(deep=True)
     facts = POLICIES[spec.precision.policy]
 
@@ -77,7 +81,15 @@ def normalize(spec: JobSpec, settings: Settings) -> SubmitResult:
             "of its own; Halfway's scaler applies if loss_scale.mode asks for it."
         )
 
-    _check_model_and_data(spec, settings, notes)
+    if spec.code is None:
+        _check_loss(spec)
+        _check_model_and_data(spec, settings, notes)
+    else:
+        notes.append(
+            f"code job: {spec.code.entrypoint} from bundle {spec.code.bundle[:19]}... runs in "
+            "the training child under this job's policy; its model trains with Halfway's "
+            "loss scaler and every step recorded."
+        )
     steps_per_epoch = planned_steps_per_epoch(spec)
     if steps_per_epoch is not None:
         total = steps_per_epoch * spec.training.epochs
@@ -95,7 +107,8 @@ def normalize(spec: JobSpec, settings: Settings) -> SubmitResult:
                 "and will never fire."
             )
     if spec.name is None:
-        spec.name = f"{spec.model.kind}-{spec.precision.policy}"
+        kind = spec.code.entrypoint.rpartition(":")[2] if spec.code else spec.model.kind
+        spec.name = f"{kind}-{spec.precision.policy}"
     return SubmitResult(spec=spec, warnings=warnings, notes=notes)
 
 
@@ -103,6 +116,8 @@ def planned_steps_per_epoch(spec: JobSpec) -> int | None:
     """Steps per epoch when the data size is known before training (None for npz)."""
     if spec.training.steps_per_epoch is not None:
         return spec.training.steps_per_epoch
+    if spec.code is not None:
+        return None  # the function's pipeline is known only in the child
     data = spec.data
     if isinstance(data, SyntheticData):
         samples = data.samples
@@ -132,9 +147,14 @@ def _check_model_and_data(spec: JobSpec, settings: Settings, notes: list[str]) -
     elif isinstance(data, KerasData):
         shape, classes = KERAS_DATASET_SHAPES[data.name]
         features = math.prod(shape)
+    elif isinstance(data, ImageDirectoryData):
+        classes = len(_image_classes(data, settings))
+        features = data.image_size[0] * data.image_size[1] * data.channels
     else:
         _check_data_path(data, settings)
         features = classes = -1  # known only when the child opens the file
+    if spec.training.loss.name in (*REGRESSION_LOSSES, "binary_crossentropy"):
+        classes = -1  # targets (or labels per output), not classes: the width is the model's
 
     if isinstance(model, KerasModel):
         return  # its shapes and size are known once Keras builds it, in the child
@@ -166,6 +186,68 @@ def _check_model_and_data(spec: JobSpec, settings: Settings, notes: list[str]) -
             f"synthetic samples ({features} features) are reshaped to the model's input "
             f"{_shape_text(model)}."
         )
+
+
+def check_code(spec: JobSpec, settings: Settings) -> None:
+    """A code job: no model or data section, and the bundle holds the entry point (parsed,
+    never imported)."""
+    assert spec.code is not None
+    present = [f for f in ("model", "data") if f in spec.model_fields_set]
+    if present:
+        raise FieldErrors(
+            [
+                {
+                    "field": f,
+                    "rule": "not_with_code",
+                    "message": f"{f} must be absent in a code job: the function in "
+                    "code.entrypoint returns the model and the data",
+                }
+                for f in present
+            ]
+        )
+    try:
+        root = code.find(settings.resolved_code_dir(), spec.code.bundle)
+    except NotFound as exc:
+        raise SpecError("code.bundle", "not_found", exc.message) from None
+    code.check_entrypoint(root, spec.code.entrypoint)
+
+
+def _check_loss(spec: JobSpec) -> None:
+    loss = spec.training.loss.name
+    model = spec.model
+    if isinstance(model, KerasModel):
+        return
+    if loss not in (*REGRESSION_LOSSES, "binary_crossentropy") and model.num_classes < 2:
+        raise SpecError(
+            "model.num_classes",
+            "too_small",
+            f"{loss} needs at least 2 classes; num_classes 1 is for regression losses "
+            f"({', '.join(REGRESSION_LOSSES)})",
+        )
+
+
+def _image_classes(data: ImageDirectoryData, settings: Settings) -> list[str]:
+    """The class sub-folders of an image_directory (listed, nothing read)."""
+    root = settings.resolved_data_dir()
+    if "\x00" in data.path:
+        raise SpecError("data.path", "path", "contains a NUL byte")
+    folder = (root / data.path).resolve()
+    if not folder.is_relative_to(root):
+        raise SpecError(
+            "data.path", "outside_data_dir", "must name a folder inside the data directory"
+        )
+    if not folder.is_dir():
+        raise SpecError(
+            "data.path", "not_found", f"no such folder in the data directory: {data.path}"
+        )
+    classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    if len(classes) < 2:
+        raise SpecError(
+            "data.path",
+            "classes",
+            f"{data.path} needs a sub-folder per class (at least 2); it has {len(classes)}",
+        )
+    return classes
 
 
 def _model_input(model: MLPModel | CNNModel | TransformerModel) -> tuple[int, str]:

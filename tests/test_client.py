@@ -3,6 +3,7 @@ uvicorn, SQLite and PostgreSQL) and, where a job must train, a real worker."""
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
+import yaml
 
 from service.client import (
     Client,
@@ -193,3 +195,18 @@ def test_history_without_pandas_says_how_to_install_it(live: Live, tmp_path: Pat
         timeout=60,
     )
     assert "pip install 'halfway[client]'" in done.stdout, done.stderr
+
+
+def test_submit_with_a_code_dir_packs_uploads_and_fills_the_bundle(live: Live) -> None:
+    spec = yaml.safe_load((ROOT / "examples" / "own-code" / "job.yaml").read_text())
+    bundle_dir = ROOT / "examples" / "own-code" / "bundle"
+    with client(live, live.team.admin) as hw:
+        checked = hw.submit(spec, bundle_dir, dry_run=True)
+        pushed = hw.push_code(bundle_dir)
+        assert not pushed["created"]  # the dry run's upload stored it already
+        assert checked["spec"]["code"]["bundle"] == pushed["digest"]
+        listed = hw.code(pushed["digest"])
+        assert "regression/train.py" in json.dumps(listed)
+        assert "bundle" not in spec["code"]  # the caller's spec is left as it was
+    with pytest.raises(Forbidden):
+        client(live).submit(spec, bundle_dir)  # alice may not run code (admins only)

@@ -79,6 +79,8 @@ OPERATIONS = [
     "POST /v1/datasets",
     "POST /v1/sweeps",
     "GET /v1/sweeps/{sweep_id}",
+    "POST /v1/code",
+    "GET /v1/code/{digest}",
 ]
 
 # Schema-valid input that a rule spanning several fields still refuses, rightly, with a 422:
@@ -87,6 +89,7 @@ OPERATIONS = [
 # JSON Schema cannot say these, so "valid data is accepted" is not checked here; the 422 must
 # still name the field (checked for every operation).
 CROSS_FIELD = {
+    "POST /v1/code",
     "POST /v1/jobs",
     "POST /v1/sweeps",
     "POST /v1/datasets",
@@ -383,3 +386,8 @@ def test_most_schema_valid_requests_are_accepted(
 
     run()
     assert sum(outcomes) / len(outcomes) >= at_least, f"{sum(outcomes)} of {len(outcomes)}"
+
+
+def test_fuzzed_code_uploads_by_an_admin_get_documented_answers(seeded: Seeded, team: Team) -> None:
+    # Alice may not upload code (403); an admin's uploads reach the archive checks.
+    _fuzz(seeded, "POST /v1/code", team.admin)

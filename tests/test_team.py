@@ -138,7 +138,7 @@ def test_upload_a_dataset_then_train_on_it_by_path(api: Api, settings: Settings)
         (b"not a zip at all", "not_npz"),
         (_npz(x_train=np.zeros((3, 2)), y_train=np.zeros((4,), np.int64)), "shape"),
         (_npz(x_train=np.zeros((3,)), y_train=np.zeros((3,), np.int64)), "shape"),
-        (_npz(x_train=np.zeros((3, 2)), y_train=np.zeros((3,), np.float32)), "dtype"),
+        (_npz(x_train=np.zeros((3, 2)), y_train=np.zeros((3,), np.complex64)), "dtype"),
         (_npz(x_train=np.array([["a"]] * 3), y_train=np.zeros((3,), np.int64)), "dtype"),
         (_npz(x_train=np.zeros((3, 2))), "arrays"),
         (
@@ -154,7 +154,7 @@ def test_upload_a_dataset_then_train_on_it_by_path(api: Api, settings: Settings)
         "not-npz",
         "length-mismatch",
         "no-features",
-        "float-labels",
+        "complex-labels",
         "strings",
         "missing-y",
         "extra-array",

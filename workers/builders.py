@@ -8,6 +8,7 @@ from typing import Any
 
 import keras
 
+from workers.losses import build_schedule
 from workers.protocol import JobError
 
 
@@ -21,12 +22,15 @@ def build_model(
     model = spec["model"]
     output_float32 = spec["precision"]["output_float32"]
     kind = model["kind"]
+    head = head_activation(spec["training"].get("loss", {}).get("name", ""))
+    if head != "softmax":
+        num_classes = 0  # targets, not class labels: the model's output width is its own
     if kind == "mlp":
-        built = _mlp(model, sample_shape, num_classes, output_float32)
+        built = _mlp(model, sample_shape, num_classes, output_float32, head)
     elif kind == "cnn":
-        built = _cnn(model, sample_shape, num_classes, output_float32)
+        built = _cnn(model, sample_shape, num_classes, output_float32, head)
     elif kind == "transformer":
-        built = _transformer(model, sample_shape, num_classes, output_float32)
+        built = _transformer(model, sample_shape, num_classes, output_float32, head)
     elif kind == "keras":
         built = _from_config(
             model["config"], sample_shape, spec["precision"]["policy"], output_float32
@@ -40,6 +44,14 @@ def build_model(
             "(HALFWAY_MAX_PARAMETERS)"
         )
     return built
+
+
+def head_activation(loss_name: str) -> str:
+    """The presets' output activation for the loss: softmax for the cross-entropies over
+    classes, sigmoid for binary cross-entropy (multi-label), none for a regression."""
+    if loss_name in ("sparse_categorical_crossentropy", "categorical_crossentropy", ""):
+        return "softmax"
+    return "sigmoid" if loss_name == "binary_crossentropy" else "linear"
 
 
 def _check_classes(num_classes: int, model_classes: int) -> None:
@@ -65,7 +77,11 @@ def _fit_input(
 
 
 def _cnn(
-    model: dict[str, Any], sample_shape: tuple[int, ...], num_classes: int, output_float32: bool
+    model: dict[str, Any],
+    sample_shape: tuple[int, ...],
+    num_classes: int,
+    output_float32: bool,
+    head: str = "softmax",
 ) -> keras.Model:
     _check_classes(num_classes, model["num_classes"])
     layers = _fit_input(sample_shape, tuple(model["input_shape"]), "input_shape")
@@ -86,12 +102,16 @@ def _cnn(
     ]
     if model.get("dropout"):
         layers.append(keras.layers.Dropout(model["dropout"], name="dropout"))
-    layers += _classifier_head(model["num_classes"], output_float32)
+    layers += _classifier_head(model["num_classes"], output_float32, head)
     return keras.Sequential(layers, name="cnn")
 
 
 def _transformer(
-    model: dict[str, Any], sample_shape: tuple[int, ...], num_classes: int, output_float32: bool
+    model: dict[str, Any],
+    sample_shape: tuple[int, ...],
+    num_classes: int,
+    output_float32: bool,
+    head: str = "softmax",
 ) -> keras.Model:
     _check_classes(num_classes, model["num_classes"])
     seq, width = model["sequence_length"], model["embed_dim"]
@@ -115,7 +135,7 @@ def _transformer(
             ff = keras.layers.Dropout(model["dropout"], name=f"dropout_{i}")(ff)
         x = keras.layers.LayerNormalization(name=f"norm_f{i}")(x + ff)
     x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
-    for layer in _classifier_head(model["num_classes"], output_float32):
+    for layer in _classifier_head(model["num_classes"], output_float32, head):
         x = layer(x)
     return keras.Model(inputs, x, name="transformer")
 
@@ -192,19 +212,25 @@ def _set_policies(config: dict[str, Any], policy: str, output_float32: bool) -> 
             break
 
 
-def _classifier_head(num_classes: int, output_float32: bool) -> list[keras.layers.Layer]:
+def _classifier_head(
+    num_classes: int, output_float32: bool, activation: str = "softmax"
+) -> list[keras.layers.Layer]:
     if output_float32:
         # The TensorFlow guide's advice: logits in the compute dtype, softmax in float32 so
         # its exp() cannot overflow float16.
         return [
             keras.layers.Dense(num_classes, name="logits"),
-            keras.layers.Activation("softmax", dtype="float32", name="predictions"),
+            keras.layers.Activation(activation, dtype="float32", name="predictions"),
         ]
-    return [keras.layers.Dense(num_classes, activation="softmax", name="predictions")]
+    return [keras.layers.Dense(num_classes, activation=activation, name="predictions")]
 
 
 def _mlp(
-    model: dict[str, Any], sample_shape: tuple[int, ...], num_classes: int, output_float32: bool
+    model: dict[str, Any],
+    sample_shape: tuple[int, ...],
+    num_classes: int,
+    output_float32: bool,
+    head: str = "softmax",
 ) -> keras.Model:
     features = 1
     for d in sample_shape:
@@ -222,12 +248,12 @@ def _mlp(
         layers.append(keras.layers.Dense(width, activation=model["activation"], name=f"dense_{i}"))
         if model.get("dropout"):
             layers.append(keras.layers.Dropout(model["dropout"], name=f"dropout_{i}"))
-    layers += _classifier_head(model["num_classes"], output_float32)
+    layers += _classifier_head(model["num_classes"], output_float32, head)
     return keras.Sequential(layers, name="mlp")
 
 
 def build_optimizer(opt: dict[str, Any]) -> keras.optimizers.Optimizer:
-    common: dict[str, Any] = {"learning_rate": opt["learning_rate"]}
+    common: dict[str, Any] = {"learning_rate": build_schedule(opt)}
     for key in ("epsilon", "weight_decay", "clipnorm"):
         if opt.get(key) is not None:
             common[key] = opt[key]

@@ -48,10 +48,12 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
                 resume_step=payload.get("resume_step"),
                 attempt=payload.get("attempt") or 1,
                 max_parameters=payload.get("max_parameters"),
+                code_dir=Path(payload["code_dir"]) if payload.get("code_dir") else None,
             )
         )
         conn.send({"type": "done", "status": status, "error": None, "retryable": False})
     except JobError as exc:
+        # A failure in the user's code has its traceback in the log already.
         print(f"halfway: job failed: {exc}", flush=True)
         conn.send({"type": "done", "status": "failed", "error": str(exc), "retryable": False})
     except BaseException as exc:  # anything else: report it, let the supervisor decide on a retry

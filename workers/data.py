@@ -33,12 +33,19 @@ class Arrays:
 
 def load_arrays(data: dict[str, Any], training: dict[str, Any], data_dir: Path) -> Arrays:
     kind = data["kind"]
+    loss = training.get("loss", {}).get("name", "sparse_categorical_crossentropy")
+    targets = loss != "sparse_categorical_crossentropy"
     if kind == "synthetic":
         x, y, classes = synthetic(data)
         xv = yv = None
     elif kind == "npz":
-        x, y, xv, yv = _load_npz(data_dir, data["path"])
-        classes = int(max(y.max(), yv.max() if yv is not None else 0)) + 1
+        x, y, xv, yv = _load_npz(data_dir, data["path"], targets)
+        if targets:
+            classes = int(y.shape[1]) if y.ndim == 2 else 1
+        else:
+            classes = int(max(y.max(), yv.max() if yv is not None else 0)) + 1
+    elif kind == "image_directory":
+        x, y, xv, yv, classes = load_image_directory(data, training, data_dir)
     elif kind == "keras":
         x, y = load_keras_dataset(data["name"])
         xv = yv = None
@@ -60,7 +67,68 @@ def load_arrays(data: dict[str, Any], training: dict[str, Any], data_dir: Path) 
             y, yv = y[:-n_val], y[-n_val:]
     if len(x) == 0:
         raise JobError("the training set is empty")
-    return Arrays(x, y.astype(np.int32), xv, None if yv is None else yv.astype(np.int32), classes)
+    if loss == "categorical_crossentropy" and y.ndim == 1:
+        # Class labels for a loss that wants one-hot rows.
+        classes = max(classes, int(y.max()) + 1)
+        y = np.eye(classes, dtype=np.float32)[y]
+        yv = None if yv is None else np.eye(classes, dtype=np.float32)[yv]
+    if not targets:
+        y = y.astype(np.int32)
+        yv = None if yv is None else yv.astype(np.int32)
+    else:
+        y = y.astype(np.float32)
+        yv = None if yv is None else yv.astype(np.float32)
+    return Arrays(x, y, xv, yv, classes)
+
+
+def load_image_directory(
+    data: dict[str, Any], training: dict[str, Any], data_dir: Path
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None, int]:
+    """Read the class sub-folders once into arrays (pixels scaled to [0, 1]), so the job's
+    batch order is Halfway's own (seeded per epoch) and a resume is exact."""
+    import keras
+
+    root = data_dir.resolve()
+    folder = (root / data["path"]).resolve()
+    if not folder.is_relative_to(root) or not folder.is_dir():
+        raise JobError(f"no such folder in the data directory: {data['path']}")
+    split = data.get("validation_split") or 0.0
+    common: dict[str, Any] = {
+        "labels": "inferred",
+        "label_mode": "int",
+        "color_mode": data["color_mode"],
+        "image_size": tuple(data["image_size"]),
+        "batch_size": None,
+        "shuffle": False,
+        "seed": training.get("seed", 0),
+        "verbose": False,
+    }
+    try:
+        if split:
+            train_ds, val_ds = keras.utils.image_dataset_from_directory(
+                str(folder), validation_split=split, subset="both", **common
+            )
+        else:
+            train_ds = keras.utils.image_dataset_from_directory(str(folder), **common)
+            val_ds = None
+    except ValueError as exc:
+        raise JobError(f"{data['path']}: {exc}") from None
+    classes = len(train_ds.class_names)
+
+    def arrays(ds: Any) -> tuple[np.ndarray, np.ndarray]:
+        xs, ys = [], []
+        for image, label in ds.as_numpy_iterator():
+            xs.append(image)
+            ys.append(label)
+        if not xs:
+            return np.zeros((0, *data["image_size"], 1), np.float32), np.zeros((0,), np.int32)
+        return (np.stack(xs) / 255.0).astype(np.float32), np.asarray(ys, np.int32)
+
+    x, y = arrays(train_ds)
+    xv, yv = arrays(val_ds) if val_ds is not None else (None, None)
+    if xv is not None and len(xv) == 0:
+        xv = yv = None
+    return x, y, xv, yv, classes
 
 
 def synthetic(data: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, int]:
@@ -85,7 +153,7 @@ def _as_float(x: np.ndarray) -> np.ndarray:
 
 
 def _load_npz(
-    data_dir: Path, relative: str
+    data_dir: Path, relative: str, targets: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     root = data_dir.resolve()
     path = (root / relative).resolve()
@@ -109,9 +177,10 @@ def _load_npz(
         raise JobError(f"{relative} is not a readable .npz file: {exc}") from None
     if ("x_val" in arrays) != ("y_val" in arrays):
         raise JobError(f"{relative}: x_val and y_val come together")
-    x, y = arrays["x_train"], _labels(arrays["y_train"], "y_train")
+    check = _targets if targets else _labels
+    x, y = arrays["x_train"], check(arrays["y_train"], "y_train")
     xv = arrays.get("x_val")
-    yv = _labels(arrays["y_val"], "y_val") if "y_val" in arrays else None
+    yv = check(arrays["y_val"], "y_val") if "y_val" in arrays else None
     _check_pair(x, y, "train")
     if xv is not None and yv is not None:
         _check_pair(xv, yv, "val")
@@ -129,6 +198,15 @@ def _labels(y: np.ndarray, name: str) -> np.ndarray:
         )
     if len(y) and y.min() < 0:
         raise JobError(f"{name} has negative class labels")
+    return y
+
+
+def _targets(y: np.ndarray, name: str) -> np.ndarray:
+    """Targets of a loss other than sparse cross-entropy: real numbers, (n,) or (n, k)."""
+    if y.ndim not in (1, 2) or not np.issubdtype(y.dtype, np.number) or np.iscomplexobj(y):
+        raise JobError(
+            f"{name} must be real numbers of shape (n,) or (n, k), got {y.dtype} {y.shape}"
+        )
     return y
 
 

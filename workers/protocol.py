@@ -49,6 +49,14 @@ class Forensics(TypedDict):
     report: dict[str, Any]
 
 
+class Note(TypedDict):
+    """Something the job's notes should say (how a code job's pipeline resumed, what its
+    saved model needs to load)."""
+
+    type: Literal["note"]
+    message: str
+
+
 class Done(TypedDict):
     type: Literal["done"]
     status: Literal["succeeded", "failed", "cancelled"]
@@ -56,4 +64,4 @@ class Done(TypedDict):
     retryable: bool
 
 
-Message = Started | Steps | EpochMetrics | Checkpointed | Warning_ | Forensics | Done
+Message = Started | Steps | EpochMetrics | Checkpointed | Warning_ | Forensics | Note | Done

@@ -67,6 +67,7 @@ class _Run:
     metrics: dict[str, Any] | None = None
     new_warnings: list[str] = field(default_factory=list)
     new_forensics: list[dict[str, Any]] = field(default_factory=list)
+    new_notes: list[str] = field(default_factory=list)
     pid: int | None = None
     truncate_at: int | None = None
     steps_per_second: float | None = None
@@ -186,6 +187,7 @@ class Supervisor:
             "flush_seconds": self.settings.history_flush_seconds,
             "resume_step": claim.checkpoint_step,
             "max_parameters": self.settings.max_parameters,
+            "code_dir": str(self.settings.resolved_code_dir()),
         }
 
     def job_dir(self, job_id: int) -> Path:
@@ -290,6 +292,8 @@ class Supervisor:
             run.updates["guard_warning"] = msg["message"]
         elif msg["type"] == "forensics":
             run.new_forensics.append(msg["report"])
+        elif msg["type"] == "note":
+            run.new_notes.append(msg["message"])
         elif msg["type"] == "done":
             run.done = msg
 
@@ -360,6 +364,8 @@ class Supervisor:
                         *job.forensics,
                         *(f for f in run.new_forensics if f["step"] not in seen),
                     ]
+                if run.new_notes:
+                    job.notes = [*job.notes, *(n for n in run.new_notes if n not in job.notes)]
                 if run.new_warnings:
                     job.warnings = [
                         *job.warnings,
@@ -399,6 +405,7 @@ class Supervisor:
         run.metrics = None
         run.new_warnings = []
         run.new_forensics = []
+        run.new_notes = []
         run.truncate_at = None
         run.missing_checkpoint = None
         run.last_sync = time.monotonic()

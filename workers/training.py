@@ -25,6 +25,7 @@ from workers import data as data_mod
 from workers.builders import build_model, build_optimizer, precision_report
 from workers.checkpoints import checkpoint_path
 from workers.cpu import CpuPrecision, cpu_warnings
+from workers.losses import build_loss, spec_metrics
 from workers.protocol import JobError, Message
 from workers.recording import Drained, HalfwayTrainer, OverflowForensics, StepRecorder
 from workers.scaler import HalfwayLossScaleOptimizer, make_scaler
@@ -49,6 +50,7 @@ class RunContext:
     resume_step: int | None = None  # the checkpoint the supervisor acknowledged
     attempt: int = 1
     max_parameters: int | None = None  # the server's limit, for models sized only here
+    code_dir: Path | None = None  # where code bundles are unpacked (code jobs)
 
 
 def configure_devices(ctx: RunContext) -> dict[str, Any]:
@@ -516,7 +518,6 @@ def build_trainer(
 ) -> Built:
     """The model, optimizer, scaler and recorder of a (normalized) spec, compiled and built
     (under ``strategy`` when given; the recorder stays outside it, see StepRecorder)."""
-    recorder = StepRecorder(capacity=steps_per_execution)
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
         keras.config.set_dtype_policy(spec["precision"]["policy"])
@@ -524,7 +525,30 @@ def build_trainer(
             model = build_model(spec, sample_shape, num_classes, max_parameters)
         finally:
             keras.config.set_dtype_policy("float32")
-        optimizer: keras.optimizers.Optimizer = build_optimizer(spec["optimizer"])
+    return compile_trainer(
+        spec, model, steps_per_execution, graph_rewrite=graph_rewrite, strategy=strategy
+    )
+
+
+def compile_trainer(
+    spec: dict[str, Any],
+    model: keras.Model,
+    steps_per_execution: int,
+    *,
+    optimizer: keras.optimizers.Optimizer | None = None,
+    loss: Any = None,
+    metrics: list[Any] | None = None,
+    graph_rewrite: bool = False,
+    strategy: tf.distribute.Strategy | None = None,
+) -> Built:
+    """Wrap a built model (a preset's or the user's) in Halfway's trainer: its optimizer in
+    the loss scaler, the recorder, faults and forensics. ``optimizer``, ``loss`` and
+    ``metrics`` default to the spec's."""
+    recorder = StepRecorder(capacity=steps_per_execution)
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with scope:
+        if optimizer is None:
+            optimizer = build_optimizer(spec["optimizer"])
         scaler = make_scaler(optimizer, spec["loss_scale"])
         trainer = HalfwayTrainer(
             model,
@@ -535,10 +559,11 @@ def build_trainer(
         jit: bool | str = spec["training"].get("jit_compile", "auto")
         if graph_rewrite:
             jit = False  # XLA clusters bypass grappler, so the rewrite would not apply
+        training = spec["training"]
         trainer.compile(
             optimizer=scaler or optimizer,
-            loss=keras.losses.SparseCategoricalCrossentropy(),
-            metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+            loss=loss if loss is not None else build_loss(training.get("loss") or _SPARSE_CE),
+            metrics=metrics if metrics is not None else spec_metrics(training),
             steps_per_execution=steps_per_execution,
             jit_compile=jit,
             auto_scale_loss=False,
@@ -552,27 +577,37 @@ def build_trainer(
     return Built(model, optimizer, scaler, recorder, trainer)
 
 
-def train(ctx: RunContext) -> str:
-    """Run the job to completion. Returns 'succeeded' or 'cancelled'; raises JobError (or any
-    exception) on failure."""
-    spec = ctx.spec
-    training = spec["training"]
-    ctx.job_dir.mkdir(parents=True, exist_ok=True)
-    keras.utils.set_random_seed(training["seed"])
-    device = configure_devices(ctx)
-    rewrite = configure_graph_rewrite(spec["precision"]["graph_rewrite"])
-    if rewrite:
-        device["graph_rewrite"] = rewrite
+_SPARSE_CE = {"name": "sparse_categorical_crossentropy"}
 
-    arrays = data_mod.load_arrays(spec["data"], training, ctx.data_dir)
-    n_train = len(arrays.x_train)
-    fixed_steps = training.get("steps_per_epoch")
-    per_epoch = data_mod.steps_per_epoch(n_train, training["batch_size"], fixed_steps)
-    epochs = training["epochs"]
-    total = per_epoch * epochs
-    spe = training.get("steps_per_execution") or min(DEFAULT_STEPS_PER_EXECUTION, per_epoch)
 
-    strategy = make_strategy()
+@dataclass
+class Plan:
+    """What a job trains: its wrapped model, the steps of an epoch, and each epoch's batches
+    (``epoch_data(epoch, skip)`` leaves out the first ``skip`` batches, for a resume)."""
+
+    built: Built
+    per_epoch: int
+    steps_per_execution: int
+    epoch_data: Callable[[int, int], Any]
+    validation: Any = None
+    validation_batch_size: int | None = None
+    callbacks: list[Any] = field(default_factory=list)
+    save: Callable[[Path], None] | None = None
+    resume_note: Callable[[int, int], str | None] | None = None
+    # Turns an exception raised in fit() into the job's own error (no retry), or None.
+    blame: Callable[[Exception], Exception | None] | None = None
+    batch_size: int | None = None  # examples per step, when not training.batch_size
+
+
+def executions(
+    training: dict[str, Any],
+    per_epoch: int,
+    strategy: tf.distribute.Strategy | None,
+    device: dict[str, Any],
+) -> int:
+    """Steps per graph execution: the spec's, or as many as fit the ring buffer's default
+    (capped by the epoch); one under MirroredStrategy."""
+    spe: int = training.get("steps_per_execution") or min(DEFAULT_STEPS_PER_EXECUTION, per_epoch)
     if strategy is not None:
         device["replicas"] = strategy.num_replicas_in_sync
         if spe > 1:
@@ -585,16 +620,76 @@ def train(ctx: RunContext) -> str:
                 f"({strategy.num_replicas_in_sync} replicas)"
             )
             spe = 1
+    return spe
+
+
+def train(ctx: RunContext) -> str:
+    """Run the job to completion. Returns 'succeeded' or 'cancelled'; raises JobError (or any
+    exception) on failure."""
+    spec = ctx.spec
+    training = spec["training"]
+    ctx.job_dir.mkdir(parents=True, exist_ok=True)
+    keras.utils.set_random_seed(training["seed"])
+    device = configure_devices(ctx)
+    rewrite = configure_graph_rewrite(spec["precision"]["graph_rewrite"])
+    if rewrite:
+        device["graph_rewrite"] = rewrite
+    strategy = make_strategy()
+    if spec.get("code"):
+        from workers.usercode import plan_code_job
+
+        plan = plan_code_job(ctx, device, strategy, graph_rewrite=rewrite is not None)
+    else:
+        plan = _plan_arrays(ctx, device, strategy, graph_rewrite=rewrite is not None)
+    return run_plan(ctx, plan, device)
+
+
+def _plan_arrays(
+    ctx: RunContext,
+    device: dict[str, Any],
+    strategy: tf.distribute.Strategy | None,
+    *,
+    graph_rewrite: bool,
+) -> Plan:
+    """A preset or Keras-config model on the spec's data, loaded into arrays: the batch
+    order is Halfway's (a function of seed and epoch), so a resume is exact."""
+    spec, training = ctx.spec, ctx.spec["training"]
+    arrays = data_mod.load_arrays(spec["data"], training, ctx.data_dir)
+    n_train = len(arrays.x_train)
+    fixed_steps = training.get("steps_per_epoch")
+    batch = training["batch_size"]
+    per_epoch = data_mod.steps_per_epoch(n_train, batch, fixed_steps)
+    spe = executions(training, per_epoch, strategy, device)
     built = build_trainer(
         spec,
         arrays.sample_shape,
         arrays.num_classes,
         spe,
-        graph_rewrite=rewrite is not None,
+        graph_rewrite=graph_rewrite,
         strategy=strategy,
         max_parameters=ctx.max_parameters,
     )
+    x_all = tf.constant(arrays.x_train)
+    y_all = tf.constant(arrays.y_train)
+    feeds: list[EpochFeed] = []
+
+    def epoch_data(epoch: int, skip: int) -> Any:
+        order = data_mod.epoch_indices(n_train, batch, fixed_steps, training["seed"], epoch)
+        if not feeds:
+            feeds.append(EpochFeed(x_all, y_all, batch, len(order)))
+        return feeds[0].epoch(order, skip)
+
+    validation = (arrays.x_val, arrays.y_val) if arrays.x_val is not None else None
+    return Plan(built, per_epoch, spe, epoch_data, validation, batch)
+
+
+def run_plan(ctx: RunContext, plan: Plan, device: dict[str, Any]) -> str:
+    """Resume, fit epoch by epoch with the step stream, and end: the part every job shares."""
+    spec, training = ctx.spec, ctx.spec["training"]
+    built, per_epoch = plan.built, plan.per_epoch
     model, trainer, recorder = built.model, built.trainer, built.recorder
+    epochs = training["epochs"]
+    total = per_epoch * epochs
 
     checkpointer = Checkpointer(ctx.job_dir)
     start = ctx.resume_step or 0
@@ -607,7 +702,12 @@ def train(ctx: RunContext) -> str:
     ls = spec["loss_scale"]
     guards = Guards(spec["guards"], ls["min_scale"] if ls["mode"] == "dynamic" else None)
     stream = StepStream(
-        ctx, recorder, guards, checkpointer, training["checkpoint_every"], training["batch_size"]
+        ctx,
+        recorder,
+        guards,
+        checkpointer,
+        training["checkpoint_every"],
+        plan.batch_size or training["batch_size"],
     )
     if progress is not None:
         stream.resume(progress)
@@ -621,32 +721,34 @@ def train(ctx: RunContext) -> str:
             "total_steps": total,
             "steps_per_epoch": per_epoch,
             "start_step": start,
-            "steps_per_execution": spe,
+            "steps_per_execution": plan.steps_per_execution,
             "precision_report": precision_report(model),
             "device": device,
         }
     )
+    if start and plan.resume_note is not None:
+        note = plan.resume_note(start // per_epoch, start % per_epoch)
+        if note:
+            ctx.emit({"type": "note", "message": note})
 
-    x_all = tf.constant(arrays.x_train)
-    y_all = tf.constant(arrays.y_train)
-    validation = (arrays.x_val, arrays.y_val) if arrays.x_val is not None else None
-    batch = training["batch_size"]
-    feed: EpochFeed | None = None
     for epoch in range(start // per_epoch, epochs):
         skip = start % per_epoch if epoch == start // per_epoch else 0
-        order = data_mod.epoch_indices(n_train, batch, fixed_steps, training["seed"], epoch)
-        feed = feed or EpochFeed(x_all, y_all, batch, len(order))
-        dataset = feed.epoch(order, skip)
-        trainer.fit(
-            dataset,
-            epochs=epoch + 1,
-            initial_epoch=epoch,
-            verbose=0,
-            shuffle=False,  # the batch order is ours (epoch_indices)
-            callbacks=[stream],
-            validation_data=validation,
-            validation_batch_size=batch,
-        )
+        try:
+            trainer.fit(
+                plan.epoch_data(epoch, skip),
+                epochs=epoch + 1,
+                initial_epoch=epoch,
+                verbose=0,
+                shuffle=False,  # the batch order is the plan's
+                callbacks=[*plan.callbacks, stream],
+                validation_data=plan.validation,
+                validation_batch_size=plan.validation_batch_size,
+            )
+        except Exception as exc:
+            blamed = plan.blame(exc) if plan.blame is not None else None
+            if blamed is None:
+                raise
+            raise blamed from exc
         if trainer.stop_training:
             break
 
@@ -666,11 +768,18 @@ def train(ctx: RunContext) -> str:
     ctx.emit({"type": "metrics", "epoch": -1, "metrics": timing})
     if spec["outputs"]["save_model"]:
         with disk_errors_explained(ctx.job_dir):
-            # Written beside and renamed into place, so a reader never sees half a model.
-            partial = ctx.job_dir / "model.partial.keras"
-            model.save(partial)
-            os.replace(partial, ctx.job_dir / "model.keras")
+            if plan.save is not None:
+                plan.save(ctx.job_dir)
+            else:
+                save_keras(model, ctx.job_dir / "model.keras")
     return "succeeded"
+
+
+def save_keras(model: keras.Model, target: Path) -> None:
+    """Written beside and renamed into place, so a reader never sees half a model."""
+    partial = target.with_name(target.stem + ".partial.keras")
+    model.save(partial)
+    os.replace(partial, target)
 
 
 @contextlib.contextmanager

@@ -14,14 +14,17 @@ Every failure is a typed exception from ``service.client.errors`` (``Unauthorize
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import httpx
 
+from service.client import codepack
 from service.client.config import Target, resolve_target
 from service.client.errors import (
     Conflict,
@@ -32,6 +35,7 @@ from service.client.errors import (
     ServerError,
     Unauthorized,
     Unreachable,
+    UsageError,
 )
 from service.vocabulary import FINISHED_STATUSES
 
@@ -148,14 +152,51 @@ class Client:
     def submit(
         self,
         spec: Mapping[str, Any],
+        code_dir: str | Path | None = None,
         *,
         dry_run: bool = False,
         idempotency_key: str | None = None,
     ) -> dict[str, Any]:
         """Submit a job spec (a mapping, as in a spec file) and return the job. A dry run
-        validates and normalizes it and stores nothing."""
+        validates and normalizes it and stores nothing. With ``code_dir``, that folder is
+        packed and uploaded first and its digest fills the spec's ``code.bundle``."""
+        if code_dir is not None:
+            spec = with_bundle(spec, self.push_code(code_dir)["digest"])
         job, _ = self.post_job(spec, dry_run=dry_run, idempotency_key=idempotency_key)
         return job
+
+    # ----------------------------------------------------------------------------------------
+    # Code bundles
+
+    def upload_code(self, archive: bytes) -> tuple[dict[str, Any], bool]:
+        """The bundle (digest, files, bytes) and whether it was new (201) or known (200)."""
+        try:
+            response = self._http.post(
+                "/v1/code",
+                files={"file": ("bundle.tar.gz", archive, "application/gzip")},
+                timeout=httpx.Timeout(300.0, connect=5.0),
+            )
+        except httpx.TransportError as exc:
+            raise unreachable(self.target.url, exc) from None
+        if response.status_code >= 400:
+            raise api_error(response, self.target)
+        return response_json(response), response.status_code == 201
+
+    def push_code(self, directory: str | Path) -> dict[str, Any]:
+        """Pack ``directory`` (skipping .git, __pycache__, virtual environments and what
+        ``.halfwayignore`` names) and upload it: ``{"digest", "files", "bytes", "created"}``."""
+        root = Path(directory)
+        if not root.is_dir():
+            raise UsageError(f"--code {directory}: not a directory")
+        if not codepack.files(root):
+            raise UsageError(f"{directory} holds no files to pack")
+        bundle, created = self.upload_code(codepack.pack(root))
+        return {**bundle, "created": created}
+
+    def code(self, digest: str) -> dict[str, Any]:
+        """A stored bundle's files."""
+        listed: dict[str, Any] = self._get_json(f"/v1/code/{digest}")
+        return listed
 
     def job(self, job_id: int) -> Job:
         job: Job = self._get_json(f"/v1/jobs/{job_id}")
@@ -342,13 +383,16 @@ class Client:
         target_loss: float | None = None,
         wait: bool = True,
         poll_seconds: float = 2.0,
+        code_dir: str | Path | None = None,
     ) -> dict[str, Any]:
         """One job per precision variant of ``spec`` (a job spec, or a sweep spec with
         ``base`` and ``variants``), compared side by side. With ``wait``, returns the table
-        once every variant has finished."""
+        once every variant has finished. ``code_dir`` as for ``submit`` (the base's code)."""
         body: dict[str, Any] = (
             dict(spec) if "base" in spec or "variants" in spec else {"base": dict(spec)}
         )
+        if code_dir is not None:
+            body["base"] = with_bundle(body.get("base", {}), self.push_code(code_dir)["digest"])
         if policies:
             body["policies"] = list(policies)
         if target_loss is not None:
@@ -358,6 +402,20 @@ class Client:
             time.sleep(poll_seconds)
             table = self.get_sweep(table["id"])
         return table
+
+
+def with_bundle(spec: Mapping[str, Any], digest: str) -> dict[str, Any]:
+    """A copy of ``spec`` whose ``code.bundle`` is ``digest``; the spec must have a ``code``
+    section naming at least its entry point."""
+    section = spec.get("code")
+    if not isinstance(section, Mapping):
+        raise UsageError(
+            "--code needs a 'code' section in the spec naming at least its entrypoint "
+            "(package.module:function)"
+        )
+    copied = copy.deepcopy(dict(spec))
+    copied["code"]["bundle"] = digest
+    return copied
 
 
 def response_json(response: httpx.Response) -> Any:

@@ -41,59 +41,27 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from enum import StrEnum
-from functools import wraps
-from typing import Annotated, BinaryIO, ParamSpec
+from typing import Annotated, BinaryIO
 
 import typer
 from rich.markup import escape
 
 from service.client import render, tables
-from service.client.api import Client, Job
-from service.client.config import DEFAULT_URL
+from service.client.api import Client, Job, with_bundle
+from service.client.code_commands import code_app, push
 from service.client.errors import ExitCode, HalfwayError, UsageError
-from service.client.render import Ui, err_console
+from service.client.options import JobId, TokenOption, UrlOption, handles_errors
+from service.client.render import Ui
 from service.client.specfile import load_spec
 from service.vocabulary import FINISHED_STATUSES, JOB_STATUSES
 
-P = ParamSpec("P")
 POLL_SECONDS = 1.0
 # A watch survives a server restart or a database blip this long before giving up.
 WATCH_PATIENCE_SECONDS = 60.0
 PANEL = "Client (talk to a running server)"
-
-
-def report(error: HalfwayError) -> None:
-    err = err_console()
-    err.print(f"[bold red]error:[/] {escape(error.message)}")
-    for line in error.details:
-        err.print(f"  {escape(line)}")
-
-
-def handles_errors(command: Callable[P, None]) -> Callable[P, None]:
-    """Turn a ``HalfwayError`` into its message and exit code, and Ctrl-C into 130."""
-
-    @wraps(command)
-    def run(*args: P.args, **kwargs: P.kwargs) -> None:
-        try:
-            command(*args, **kwargs)
-        except HalfwayError as exc:
-            report(exc)
-            raise typer.Exit(exc.code) from None
-        except KeyboardInterrupt:
-            err_console().print("\ninterrupted (the job itself keeps running)")
-            raise typer.Exit(ExitCode.INTERRUPTED) from None
-        except BrokenPipeError:
-            # The reader (head, less) has gone: stop quietly, and keep Python's final flush of
-            # stdout from failing too.
-            with contextlib.suppress(OSError, ValueError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise typer.Exit(ExitCode.OK) from None
-
-    return run
 
 
 @contextlib.contextmanager
@@ -169,30 +137,6 @@ def follow_log(client: Client, job_id: int, offset: int, out: BinaryIO) -> str:
             time.sleep(POLL_SECONDS)
 
 
-UrlOption = Annotated[
-    str | None,
-    typer.Option(
-        "--url",
-        help=f"Server URL. Else HALFWAY_URL, the config file, {DEFAULT_URL}.",
-        show_default=False,
-        rich_help_panel="Connection",
-    ),
-]
-TokenOption = Annotated[
-    str | None,
-    typer.Option(
-        "--token",
-        help="API token. Else HALFWAY_TOKEN, the config file. (A flag shows in `ps`; "
-        "prefer the environment or the config file.)",
-        show_default=False,
-        rich_help_panel="Connection",
-    ),
-]
-JobId = Annotated[
-    int, typer.Argument(metavar="ID", help="The job's id.", min=1, show_default=False)
-]
-
-
 StatusFilter = StrEnum("StatusFilter", {status: status for status in JOB_STATUSES})  # type: ignore[misc]
 
 
@@ -220,6 +164,16 @@ def submit(
             show_default=False,
         ),
     ] = None,
+    code: Annotated[
+        str | None,
+        typer.Option(
+            "--code",
+            metavar="DIR",
+            help="Pack DIR (skipping .git, __pycache__, virtualenvs, .halfwayignore), upload "
+            "it and fill code.bundle.",
+            show_default=False,
+        ),
+    ] = None,
     url: UrlOption = None,
     token: TokenOption = None,
 ) -> None:
@@ -229,6 +183,8 @@ def submit(
     spec = load_spec(spec_file)
     ui = Ui.create()
     with connect(url, token) as client:
+        if code is not None:
+            spec = with_bundle(spec, push(client, code, ui))
         if dry_run:
             result = client.submit(spec, dry_run=True)
             render.print_dry_run(ui, result)
@@ -424,6 +380,15 @@ def sweep(
     wait: Annotated[
         bool, typer.Option("--wait/--no-wait", help="Wait for every variant and print the table.")
     ] = True,
+    code: Annotated[
+        str | None,
+        typer.Option(
+            "--code",
+            metavar="DIR",
+            help="Pack and upload DIR; fill the base's code.bundle.",
+            show_default=False,
+        ),
+    ] = None,
     url: UrlOption = None,
     token: TokenOption = None,
 ) -> None:
@@ -432,6 +397,12 @@ def sweep(
     chosen = [p.strip() for p in policies.split(",") if p.strip()] if policies else None
     ui = Ui.create()
     with connect(url, token) as client:
+        if code is not None:
+            digest = push(client, code, ui)
+            if "base" in spec or "variants" in spec:
+                spec = {**spec, "base": with_bundle(spec.get("base", {}), digest)}
+            else:
+                spec = with_bundle(spec, digest)
         created = client.sweep(spec, policies=chosen, target_loss=target_loss, wait=False)
         ids = ", ".join(str(v["job_id"]) for v in created["variants"])
         ui.out.print(f"sweep {created['id']}: {len(created['variants'])} jobs ({ids})")
@@ -462,3 +433,5 @@ def register(app: typer.Typer) -> None:
     for name, command in COMMANDS:
         if command not in present:
             app.command(name, rich_help_panel=PANEL)(command)
+    if all(group.typer_instance is not code_app for group in app.registered_groups):
+        app.add_typer(code_app, name="code", rich_help_panel=PANEL)

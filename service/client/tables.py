@@ -101,8 +101,14 @@ def spec_lines(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
     lines = [
         ("policy", str(spec.get("precision", {}).get("policy", "mixed_float16"))),
         ("loss scaling", _loss_scale_line(spec.get("loss_scale", {}))),
-        ("model", _model_line(spec.get("model", {}))),
-        ("data", _data_line(spec.get("data", {}))),
+        *(
+            [("code", f"{spec['code'].get('entrypoint')} from {spec['code'].get('bundle')}")]
+            if isinstance(spec.get("code"), dict)
+            else [
+                ("model", _model_line(spec.get("model", {}))),
+                ("data", _data_line(spec.get("data", {}))),
+            ]
+        ),
         ("optimizer", f"{optimizer.get('name')}, learning rate {optimizer.get('learning_rate')}"),
         (
             "training",

@@ -19,6 +19,8 @@ router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
 # Only these names are served: nothing a request names is ever joined to a path unchecked.
 ARTIFACTS = {
     "model.keras": "application/octet-stream",
+    # A code job's weights alone: its .keras file needs the bundle's custom objects to load.
+    "model.weights.h5": "application/octet-stream",
     "train.log": "text/plain; charset=utf-8",
 }
 DEFAULT_TAIL = 64 * 1024

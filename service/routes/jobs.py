@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 from sqlalchemy.exc import IntegrityError
 
-from service import jobs, specs
+from service import grants, jobs, specs
 from service.auth import require_owner_or_admin
 from service.db import Database
 from service.deps import (
@@ -107,7 +107,7 @@ def job_out(job: Job) -> JobOut:
             "description": "dry_run: the normalized spec, nothing stored; or the job an "
             "earlier request with the same Idempotency-Key created",
         },
-        **error_responses(401, 409, 413, 422),
+        **error_responses(401, 403, 409, 413, 422),
     },
 )
 def submit_job(
@@ -120,6 +120,8 @@ def submit_job(
         str | None, Header(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")
     ] = None,
 ) -> Response:
+    if spec.code is not None:
+        grants.require_code_right(session, principal, settings.code_jobs)
     submitted = specs.normalize(spec, settings)
     if dry_run:
         return JSONResponse(submitted.model_dump(mode="json"), status_code=200)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service import sweeps
+from service import grants, sweeps
 from service.deps import PrincipalDep, SessionDep, SettingsDep, SweepId, WriteSessionDep
 from service.models import utcnow
 from service.schemas import SweepOut, SweepSpec, error_responses
@@ -17,11 +17,13 @@ router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
     "",
     status_code=201,
     response_model=SweepOut,
-    responses=error_responses(401, 413, 422),
+    responses=error_responses(401, 403, 413, 422),
 )
 def create_sweep(
     spec: SweepSpec, session: WriteSessionDep, principal: PrincipalDep, settings: SettingsDep
 ) -> SweepOut:
+    if spec.base.get("code") is not None:
+        grants.require_code_right(session, principal, settings.code_jobs)
     row = sweeps.create_sweep(
         session, owner=principal.name, sweep=spec, settings=settings, now=utcnow()
     )
