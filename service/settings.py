@@ -11,6 +11,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.storage import StorageConfig
+
 DEFAULT_HOME = Path(".halfway")
 
 
@@ -29,6 +31,20 @@ class Settings(BaseSettings):
     data_dir: Path | None = Field(default=None, description="Datasets; default <home>/data.")
     artifact_dir: Path | None = Field(
         default=None, description="Job artifacts; default <home>/artifacts."
+    )
+    storage_url: str | None = Field(
+        default=None,
+        description="Where files live: file:///path or s3://bucket/prefix (several hosts). "
+        "Default: HALFWAY_DATA_DIR and HALFWAY_ARTIFACT_DIR.",
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="An S3-compatible server (MinIO, Ceph, ...); default AWS."
+    )
+    s3_region: str | None = Field(default=None, description="Default: AWS_DEFAULT_REGION.")
+    scratch_dir: Path | None = Field(
+        default=None,
+        description="Local disk where a training child stages files for a remote store; "
+        "default <home>/scratch.",
     )
 
     host: str = "127.0.0.1"
@@ -79,6 +95,18 @@ class Settings(BaseSettings):
 
     def resolved_artifact_dir(self) -> Path:
         return (self.artifact_dir or self.home / "artifacts").resolve()
+
+    def resolved_scratch_dir(self) -> Path:
+        return (self.scratch_dir or self.home / "scratch").resolve()
+
+    def storage_config(self) -> StorageConfig:
+        return StorageConfig(
+            url=self.storage_url,
+            artifact_dir=str(self.resolved_artifact_dir()),
+            data_dir=str(self.resolved_data_dir()),
+            s3_endpoint_url=self.s3_endpoint_url,
+            s3_region=self.s3_region,
+        )
 
     def ensure_dirs(self) -> None:
         self.home.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,6 @@ Why spawn: a forked SQLAlchemy engine or TF runtime can deadlock.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -21,8 +20,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from multiprocessing.connection import Connection, wait
-from pathlib import Path
+from multiprocessing.connection import Connection
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
@@ -33,7 +31,9 @@ from service.history import StepRecord
 from service.metrics import HISTORY_WRITE_LATENCY
 from service.models import utcnow
 from service.settings import Settings
+from service.storage import open_storage
 from workers import checkpoints, child, gpus
+from workers.launchers import Handle, Launcher, LocalLauncher
 from workers.protocol import Done, Message
 
 log = logging.getLogger("halfway.worker")
@@ -78,6 +78,7 @@ class _Run:
     lease_lost: bool = False
     signalled_at: float | None = None
     hang_error: str | None = None
+    death: str | None = None  # why the launcher lost the child (a Ray node died)
     last_message: float = field(default_factory=time.monotonic)
     last_sync: float = 0.0
     next_db_try: float = 0.0
@@ -96,6 +97,7 @@ class Supervisor:
         gpu_ids: list[int] | None = None,
         clock: Clock = utcnow,
         memory_probe: gpus.MemoryProbe = gpus.used_memory_mib,
+        launcher: Launcher | None = None,
     ) -> None:
         self.db = db
         self.settings = settings
@@ -104,6 +106,8 @@ class Supervisor:
         self.gpu_ids = list(gpu_ids or [])
         self.clock = clock
         self.memory_probe = memory_probe
+        self.launcher: Launcher = launcher or LocalLauncher()
+        self.storage = open_storage(settings.storage_config())
         self.stop_event = threading.Event()
         self.current_job: int | None = None
 
@@ -128,7 +132,9 @@ class Supervisor:
     def gpus_free(self) -> bool:
         """Whether this slot's GPUs are free of the previous job's memory: a cancelled or
         killed child's memory is released by the driver, and the next job must not start
-        into a half-full device."""
+        into a half-full device. (Under Ray the GPUs are Ray's to hand out.)"""
+        if not self.launcher.uses_local_gpus:
+            return True
         return gpus.wait_until_free(
             self.gpu_ids,
             threshold_mib=self.settings.gpu_free_mib,
@@ -184,16 +190,13 @@ class Supervisor:
             "job_id": claim.job_id,
             "attempt": claim.attempt,
             "spec": claim.spec,
-            "job_dir": str(self.job_dir(claim.job_id)),
-            "data_dir": str(self.settings.resolved_data_dir()),
+            "storage": self.settings.storage_config().to_dict(),
+            "scratch_dir": str(self.settings.resolved_scratch_dir()),
             "gpu_ids": gpu_ids,
             "flush_seconds": self.settings.history_flush_seconds,
             "resume_step": claim.checkpoint_step,
             "max_parameters": self.settings.max_parameters,
         }
-
-    def job_dir(self, job_id: int) -> Path:
-        return self.settings.resolved_artifact_dir() / str(job_id)
 
     def _gpus_for(self, spec: dict[str, Any]) -> list[int]:
         wanted = spec.get("resources", {}).get("gpus", "auto")
@@ -203,55 +206,35 @@ class Supervisor:
     def _run_claim(self, claim: jobs.Claim) -> Outcome:
         run = _Run(job_id=claim.job_id, attempt=claim.attempt)
         gpu_ids = self._gpus_for(claim.spec)
-        receiver, sender = SPAWN.Pipe(duplex=False)
-        process = SPAWN.Process(
-            target=self.trainer,
-            args=(self._payload(claim, gpu_ids), sender),
+        handle = self.launcher.start(
+            self.trainer,
+            self._payload(claim, gpu_ids),
             name=f"halfway-job-{claim.job_id}",
-            daemon=True,
+            gpus=len(gpu_ids),
         )
-        process.start()
-        run.pid = process.pid
+        run.pid = handle.pid
         log.info(
             "job %s attempt %s: training in process %s",
             claim.job_id,
             claim.attempt,
-            process.pid,
+            handle.pid,
             extra=self._context(claim.job_id, attempt=claim.attempt),
         )
-        sender.close()  # the child holds the only write end: EOF means it is gone
-        pipe_open = True
         try:
             while True:
-                wait([receiver, process.sentinel] if pipe_open else [process.sentinel], timeout=0.2)
-                if pipe_open:
-                    pipe_open = self._drain(receiver, run)
-                self._tick(run, process)
+                for msg in handle.poll(0.2):
+                    run.pid = handle.pid
+                    self._handle(run, msg)
+                self._tick(run, handle)
                 if run.lease_lost:
-                    self._kill(process)
+                    handle.kill()
                     return Outcome("lost", "another worker holds the job now")
-                if not process.is_alive() and not pipe_open:
+                if handle.finished():
                     break
-                if not process.is_alive() and pipe_open:
-                    # Exited; whatever it sent is still readable, then EOF.
-                    pipe_open = self._drain(receiver, run)
-                    if pipe_open and not receiver.poll(0.5):
-                        pipe_open = False
         finally:
-            receiver.close()
-            process.join(timeout=5)
-            if process.is_alive():
-                self._kill(process)
-        return self._finish(run, process.exitcode)
-
-    def _drain(self, receiver: Connection, run: _Run) -> bool:
-        """Read every message waiting in the pipe. False once the child closed it."""
-        try:
-            while receiver.poll():
-                self._handle(run, receiver.recv())
-        except (EOFError, OSError):
-            return False
-        return True
+            handle.close()
+        run.death = handle.death
+        return self._finish(run, handle.exitcode)
 
     def _handle(self, run: _Run, msg: Message) -> None:
         run.last_message = time.monotonic()
@@ -289,7 +272,7 @@ class Supervisor:
         elif msg["type"] == "done":
             run.done = msg
 
-    def _tick(self, run: _Run, process: Any) -> None:
+    def _tick(self, run: _Run, process: Handle) -> None:
         now = time.monotonic()
         s = self.settings
         due = now - run.last_sync >= min(s.history_flush_seconds, s.lease_seconds / 3)
@@ -298,22 +281,22 @@ class Supervisor:
         if self.stop_event.is_set() and not run.cancel_requested:
             run.shutting_down = True
         wants_stop = run.cancel_requested or run.shutting_down
-        if wants_stop and run.signalled_at is None and process.is_alive():
-            process.terminate()  # SIGTERM: drain, checkpoint, exit
+        if wants_stop and run.signalled_at is None and process.alive():
+            process.stop()  # SIGTERM: drain, checkpoint, exit
             run.signalled_at = now
         if (
             run.signalled_at is not None
-            and process.is_alive()
+            and process.alive()
             and now - run.signalled_at > s.cancel_grace_seconds
         ):
-            self._kill(process)
+            process.kill()
         limit = s.hang_timeout_seconds if run.started else s.startup_timeout_seconds
-        if process.is_alive() and run.signalled_at is None and now - run.last_message > limit:
+        if process.alive() and run.signalled_at is None and now - run.last_message > limit:
             run.hang_error = (
                 f"no progress from the training process for {limit:.0f} s "
                 f"({'during training' if run.started else 'while starting'}); it was killed"
             )
-            self._kill(process)
+            process.kill()
 
     def _sync(self, run: _Run) -> bool:
         """Write pending history and updates and renew the lease, in one transaction. Returns
@@ -372,7 +355,7 @@ class Supervisor:
         HISTORY_WRITE_LATENCY.observe(time.perf_counter() - started)
         acknowledged = run.updates.get("checkpoint_step")
         if acknowledged is not None:
-            checkpoints.prune(self.job_dir(run.job_id), acknowledged)
+            checkpoints.prune(self.storage.artifacts, str(run.job_id), acknowledged)
         if run.db_down_since is not None:
             log.info(
                 "job %s: database back, wrote %d pending rows",
@@ -391,12 +374,6 @@ class Supervisor:
         run.last_sync = time.monotonic()
         return True
 
-    def _kill(self, process: Any) -> None:
-        if process.is_alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGKILL)
-        process.join(timeout=10)
-
     # ---------------------------------------------------------------------------------------
     # The end of an attempt
 
@@ -414,6 +391,8 @@ class Supervisor:
             return Outcome("retry" if done["retryable"] else "failed", done["error"])
         if done is not None and done["status"] == "cancelled":
             return Outcome("retry", "the training process was stopped by SIGTERM")
+        if run.death is not None:
+            return Outcome("retry", run.death)
         if exitcode is not None and exitcode < 0:
             try:
                 name = signal.Signals(-exitcode).name
@@ -472,5 +451,5 @@ class Supervisor:
             )
             if not ok:
                 return Outcome("lost", "the job was no longer ours when it ended")
-        checkpoints.remove_all(self.job_dir(run.job_id))
+        checkpoints.remove_all(self.storage.artifacts, str(run.job_id))
         return outcome

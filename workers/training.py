@@ -26,6 +26,7 @@ from workers.checkpoints import checkpoint_path
 from workers.protocol import JobError, Message
 from workers.recording import Drained, HalfwayTrainer, OverflowForensics, StepRecorder
 from workers.scaler import HalfwayLossScaleOptimizer, make_scaler
+from workers.staging import JobFiles
 
 Emit = Callable[[Message], None]
 
@@ -46,6 +47,7 @@ class RunContext:
     gpu_ids: list[int] = field(default_factory=list)
     resume_step: int | None = None  # the checkpoint the supervisor acknowledged
     max_parameters: int | None = None  # the server's limit, for models sized only here
+    files: JobFiles | None = None  # how job_dir reaches the store; None: job_dir is the store
 
 
 def configure_devices(ctx: RunContext) -> dict[str, Any]:
@@ -136,8 +138,9 @@ class Checkpointer:
     that step together with the history before it), never from a newer one whose rows may
     have died with a killed supervisor. The supervisor deletes superseded files."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, files: JobFiles | None = None) -> None:
         self.directory = directory
+        self.files = files or JobFiles.local(directory)
 
     def path(self, step: int) -> Path:
         return checkpoint_path(self.directory, step)
@@ -155,6 +158,7 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+        self.files.commit_checkpoint(step, target)
 
     def restore(self, trainer: HalfwayTrainer, step: int) -> None:
         with np.load(self.path(step), allow_pickle=False) as f:
@@ -539,9 +543,11 @@ def train(ctx: RunContext) -> str:
     )
     model, trainer, recorder = built.model, built.trainer, built.recorder
 
-    checkpointer = Checkpointer(ctx.job_dir)
+    checkpointer = Checkpointer(ctx.job_dir, ctx.files)
     start = ctx.resume_step or 0
-    if start and not checkpointer.path(start).is_file():
+    # Only a committed checkpoint, whole and as committed, is resumed from (fetched from the
+    # store into job_dir when it is remote).
+    if start and checkpointer.files.fetch_checkpoint(start) is None:
         print(f"halfway: checkpoint for step {start} is missing; starting over", flush=True)
         start = 0
     if start:
@@ -611,6 +617,7 @@ def train(ctx: RunContext) -> str:
             partial = ctx.job_dir / "model.partial.keras"
             model.save(partial)
             os.replace(partial, ctx.job_dir / "model.keras")
+            checkpointer.files.publish("model.keras")
     return "succeeded"
 
 

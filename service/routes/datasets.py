@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from service import datasets
 from service.deps import PrincipalDep, SettingsDep
 from service.schemas import ErrorOut, error_responses
+from service.storage import open_storage
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
@@ -45,7 +46,7 @@ def upload_dataset(
         file.file,
         name=name,
         owner=principal.name,
-        data_dir=settings.resolved_data_dir(),
+        data=open_storage(settings.storage_config()).data,
         max_bytes=settings.max_upload_bytes,
     )
     return DatasetOut(
@@ -57,4 +58,4 @@ def upload_dataset(
 
 @router.get("", response_model=list[DatasetOut], responses=error_responses(401))
 def list_datasets(settings: SettingsDep, _: PrincipalDep) -> list[dict[str, Any]]:
-    return datasets.listing(settings.resolved_data_dir())
+    return datasets.listing(open_storage(settings.storage_config()).data)
