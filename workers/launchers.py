@@ -35,6 +35,8 @@ class Handle(Protocol):
     pid: int | None
     # Why the child ended, when the launcher knows better than an exit code (a lost node).
     death: str | None
+    # Where it runs, for the job's device report ({"host": ..., "ray_node_id": ...}).
+    placement: dict[str, str]
 
     def poll(self, timeout: float) -> list[Message]:
         """Wait up to ``timeout`` seconds for messages or the child's end; every message
@@ -73,6 +75,7 @@ class LocalHandle:
         self.process, self.receiver = process, receiver
         self.pid: int | None = process.pid
         self.death: str | None = None
+        self.placement = {"host": socket.gethostname()}
         self.pipe_open = True
 
     def _drain(self, out: list[Message]) -> None:
@@ -179,8 +182,7 @@ class RayHandle:
         self.actor = actor
         self._started_ref: Any = started  # resolves once Ray has placed the actor
         self.pid: int | None = None
-        self.node_id: str | None = None
-        self.host: str | None = None
+        self.placement: dict[str, str] = {}
         self.death: str | None = None
         self._finished = False
         self._exitcode: int | None = None
@@ -206,11 +208,8 @@ class RayHandle:
                     return []
                 started = ray.get(self._started_ref)
                 self._started_ref = None
-                self.pid, self.node_id, self.host = (
-                    started["pid"],
-                    started["node_id"],
-                    started["host"],
-                )
+                self.pid = started["pid"]
+                self.placement = {"host": started["host"], "ray_node_id": started["node_id"]}
             messages, finished, code = ray.get(
                 self.actor.poll.remote(timeout), timeout=timeout + RAY_CALL_SECONDS
             )

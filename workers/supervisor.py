@@ -69,6 +69,7 @@ class _Run:
     new_warnings: list[str] = field(default_factory=list)
     new_forensics: list[dict[str, Any]] = field(default_factory=list)
     pid: int | None = None
+    placement: dict[str, str] = field(default_factory=dict)
     truncate_at: int | None = None
     steps_per_second: float | None = None
     done: Done | None = None
@@ -223,7 +224,7 @@ class Supervisor:
         try:
             while True:
                 for msg in handle.poll(0.2):
-                    run.pid = handle.pid
+                    run.pid, run.placement = handle.pid, handle.placement
                     self._handle(run, msg)
                 self._tick(run, handle)
                 if run.lease_lost:
@@ -255,6 +256,7 @@ class Supervisor:
                     **msg["device"],
                     "steps_per_execution": msg["steps_per_execution"],
                     "pid": run.pid,
+                    **run.placement,
                 },
             )
         elif msg["type"] == "metrics":
