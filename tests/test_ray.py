@@ -31,7 +31,7 @@ from workers.supervisor import Supervisor
 ROOT = Path(__file__).resolve().parent.parent
 # Ray's floor for a node's object store; the jobs pass nothing through it but small messages.
 OBJECT_STORE = 80 * 1024**2
-NODE = {"num_cpus": 1, "object_store_memory": OBJECT_STORE, "node_ip_address": "127.0.0.1"}
+NODE: dict[str, Any] = {"num_cpus": 1, "object_store_memory": OBJECT_STORE, "node_ip_address": "127.0.0.1"}
 
 
 class RayCluster:
@@ -80,7 +80,7 @@ def ray_cluster(s3_server: S3Server) -> Iterator[RayCluster]:
         yield cluster
     finally:
         ray.shutdown()
-        cluster.cluster.shutdown()
+        cluster.cluster.shutdown()  # type: ignore[no-untyped-call]
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
