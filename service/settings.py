@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.storage import StorageConfig
@@ -84,6 +84,12 @@ class Settings(BaseSettings):
         description="A slot's GPUs must use at most this much memory before its next job.",
     )
     gpu_free_timeout_seconds: float = Field(default=120.0, ge=0)
+
+    @field_validator("storage_url", "s3_endpoint_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        # Compose passes an unset variable as an empty string.
+        return None if value == "" else value
 
     def resolved_database_url(self) -> str:
         if self.database_url:
