@@ -31,7 +31,11 @@ from workers.supervisor import Supervisor
 ROOT = Path(__file__).resolve().parent.parent
 # Ray's floor for a node's object store; the jobs pass nothing through it but small messages.
 OBJECT_STORE = 80 * 1024**2
-NODE: dict[str, Any] = {"num_cpus": 1, "object_store_memory": OBJECT_STORE, "node_ip_address": "127.0.0.1"}
+NODE: dict[str, Any] = {
+    "num_cpus": 1,
+    "object_store_memory": OBJECT_STORE,
+    "node_ip_address": "127.0.0.1",
+}
 
 
 class RayCluster:
@@ -227,3 +231,63 @@ def test_a_job_whose_node_dies_is_requeued_and_resumes_from_the_store(
     assert [r["loss_scale"] for r in rows] == expected_scales(
         [r["finite"] for r in rows], growth_steps=150
     )
+
+
+def test_halfway_worker_on_ray_runs_max_jobs_at_once_on_different_nodes(
+    ray_api: Api,
+    ray_settings: Settings,
+    ray_cluster: RayCluster,
+    s3_server: S3Server,
+    tmp_path: Path,
+) -> None:
+    """The real command: ``halfway worker --launcher ray --ray-address ... --max-jobs 2``, its
+    own process and Ray driver, with a HALFWAY_HOME of its own."""
+    import signal
+    import subprocess
+
+    from tests.test_crash_recovery import HALFWAY
+
+    spec = {
+        "data": {"samples": 3200, "features": 16, "classes": 4},
+        "model": {"input_size": 16, "hidden": [16], "num_classes": 4},
+        "training": {"epochs": 4, "batch_size": 32, "steps_per_execution": 10},
+        "outputs": {"save_model": False},
+    }
+    ids = [ray_api.post("/v1/jobs", json=spec).json()["id"] for _ in range(2)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HALFWAY_")} | {
+        **s3_server.env(),
+        "HALFWAY_HOME": str(tmp_path / "ray-supervisor"),
+        "HALFWAY_DATABASE_URL": ray_settings.resolved_database_url(),
+        "HALFWAY_STORAGE_URL": str(ray_settings.storage_url),
+        "HALFWAY_POLL_SECONDS": "0.2",
+    }
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen(
+        [
+            HALFWAY,
+            "worker",
+            "--launcher",
+            "ray",
+            "--ray-address",
+            ray_cluster.cluster.address,
+            "--max-jobs",
+            "2",
+        ],
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(lambda: all(finished(ray_api, j) for j in ids), 300, "both jobs")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=60)
+    jobs = [job_of(ray_api, j) for j in ids]
+    assert [j["status"] for j in jobs] == ["succeeded"] * 2, log.read_text()[-3000:]
+    for j in jobs:
+        assert [r["step"] for r in all_history(ray_api, j["id"])] == list(range(400))
+    # Each node has one CPU and each actor asks for one: Ray put them on different nodes,
+    # and they ran at the same time.
+    assert jobs[0]["device"]["ray_node_id"] != jobs[1]["device"]["ray_node_id"]
+    first, second = sorted(jobs, key=lambda j: j["started_at"])
+    assert second["started_at"] < first["finished_at"]

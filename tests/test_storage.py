@@ -168,3 +168,16 @@ def test_a_local_checkpoint_written_in_place_is_committed_without_a_copy(tmp_pat
         "checkpoint-000000000010.npz.commit",
     ]
     assert checkpoints.fetch(store, "4", 10, tmp_path / "elsewhere") == local.resolve()
+
+
+def test_the_tensorboard_command_points_at_the_store_the_server_uses() -> None:
+    from service.client_cli import server_artifact_dir
+
+    assert server_artifact_dir(None, {"HALFWAY_STORAGE_URL": "s3://team/ml/"}) == (
+        "s3://team/ml/artifacts"
+    )
+    assert server_artifact_dir(None, {"HALFWAY_STORAGE_URL": "file:///srv/hw"}) == (
+        "/srv/hw/artifacts"
+    )
+    assert server_artifact_dir("/given", {"HALFWAY_STORAGE_URL": "s3://team/ml"}) == "/given"
+    assert server_artifact_dir(None, {"HALFWAY_HOME": "/h"}) == "/h/artifacts"
