@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.storage import StorageConfig
+from service.storage import StorageConfig, check_storage_url
 
 DEFAULT_HOME = Path(".halfway")
 
@@ -90,6 +90,14 @@ class Settings(BaseSettings):
     def _empty_is_unset(cls, value: object) -> object:
         # Compose passes an unset variable as an empty string.
         return None if value == "" else value
+
+    @field_validator("storage_url")
+    @classmethod
+    def _a_store_we_open(cls, value: str | None) -> str | None:
+        # Refused at startup, not on the first request or job that touches a file.
+        if value is not None:
+            check_storage_url(value)
+        return value
 
     def resolved_database_url(self) -> str:
         if self.database_url:

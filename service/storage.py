@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 CHUNK = 1 << 20
 
 
-class StorageError(Exception):
+class StorageError(ValueError):
     """A storage URL or key Halfway cannot use."""
 
 
@@ -445,26 +445,32 @@ def s3_client(endpoint_url: str | None, region: str | None) -> S3Client:
     return client
 
 
+def check_storage_url(url: str) -> tuple[str, str, str]:
+    """(scheme, bucket or '', path) of a usable HALFWAY_STORAGE_URL; StorageError if not."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+            raise StorageError(f"{url}: a file:// URL names a local path (file:///...)")
+    elif parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise StorageError(f"{url}: an s3:// URL names a bucket (s3://bucket/prefix)")
+    else:
+        raise StorageError(f"{url}: HALFWAY_STORAGE_URL is file:///path or s3://bucket/prefix")
+    return parsed.scheme, parsed.netloc, unquote(parsed.path)
+
+
 @functools.lru_cache(maxsize=8)
 def open_storage(config: StorageConfig) -> Storage:
     """The stores a configuration names; one per process and configuration (a boto3 client
     costs tens of milliseconds to build and is safe to share between threads)."""
-    if config.url is None:
+    if not config.url:
         return Storage(
             FileStore(Path(config.artifact_dir)), FileStore(Path(config.data_dir)), config
         )
-    parsed = urlparse(config.url)
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise StorageError(f"{config.url}: a file:// URL names a local path (file:///...)")
-        root: Store = FileStore(Path(unquote(parsed.path)))
-    elif parsed.scheme == "s3":
-        if not parsed.netloc:
-            raise StorageError(f"{config.url}: an s3:// URL names a bucket (s3://bucket/prefix)")
-        client = s3_client(config.s3_endpoint_url, config.s3_region)
-        root = S3Store(client, parsed.netloc, unquote(parsed.path))
+    scheme, bucket, path = check_storage_url(config.url)
+    if scheme == "file":
+        root: Store = FileStore(Path(path))
     else:
-        raise StorageError(
-            f"{config.url}: HALFWAY_STORAGE_URL is file:///path or s3://bucket/prefix"
-        )
+        client = s3_client(config.s3_endpoint_url, config.s3_region)
+        root = S3Store(client, bucket, path)
     return Storage(Sub(root, "artifacts"), Sub(root, "data"), config)

@@ -181,3 +181,11 @@ def test_the_tensorboard_command_points_at_the_store_the_server_uses() -> None:
     )
     assert server_artifact_dir("/given", {"HALFWAY_STORAGE_URL": "s3://team/ml"}) == "/given"
     assert server_artifact_dir(None, {"HALFWAY_HOME": "/h"}) == "/h/artifacts"
+
+
+@pytest.mark.parametrize("url", ["ftp://host/x", "s3:///no-bucket", "file://host/x", "file:rel"])
+def test_a_storage_url_halfway_cannot_open_is_refused_at_startup(url: str, tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="storage_url"):
+        Settings(home=tmp_path, storage_url=url)

@@ -250,7 +250,9 @@ class RayHandle:
             ray.kill(self.actor, no_restart=True)
 
 
-RAY_CALL_SECONDS = 30.0
+# A reply slower than this counts as a lost actor; well inside a lease, which the supervisor
+# renews between polls.
+RAY_CALL_SECONDS = 15.0
 
 
 class RayLauncher:
