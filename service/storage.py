@@ -36,6 +36,11 @@ class StorageError(ValueError):
     """A storage URL or key Halfway cannot use."""
 
 
+class StorageUnavailable(Exception):
+    """The store did not answer (or refused us): the API says 503, a job's attempt fails and
+    is retried."""
+
+
 class AlreadyExists(Exception):
     """``if_absent`` was asked and the key was taken (perhaps by a concurrent writer)."""
 
@@ -252,6 +257,50 @@ class FileStore(Store):
         return (self.path(key) if key else self.root).as_uri()
 
 
+def _unavailable_on_boto_errors(cls: type[S3Store]) -> type[S3Store]:
+    """Every public method turns botocore's failures (other than the ones it handles, such
+    as a missing key) into StorageUnavailable, so callers need not import botocore."""
+    from functools import wraps
+
+    def wrap(method: Any) -> Any:
+        @wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            from botocore.exceptions import BotoCoreError, ClientError
+
+            try:
+                result = method(*args, **kwargs)
+                if method.__name__ == "iter_bytes":
+                    return _guarded(result)
+                return result
+            except (BotoCoreError, ClientError) as exc:
+                raise StorageUnavailable(f"the object store failed: {exc}") from exc
+
+        return call
+
+    for name in (
+        "put_file",
+        "put_stream",
+        "get_file",
+        "size",
+        "read_range",
+        "list",
+        "delete",
+        "iter_bytes",
+    ):
+        setattr(cls, name, wrap(getattr(cls, name)))
+    return cls
+
+
+def _guarded(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield from chunks
+    except (BotoCoreError, ClientError) as exc:
+        raise StorageUnavailable(f"the object store failed: {exc}") from exc
+
+
+@_unavailable_on_boto_errors
 class S3Store(Store):
     """A bucket, under a prefix."""
 

@@ -18,6 +18,7 @@ from service.db import Database
 from service.settings import Settings
 from service.storage import open_storage
 from tests.conftest import Api, Team
+from tests.s3 import S3Server
 from tests.test_training_keras import all_history
 from workers.supervisor import Supervisor
 
@@ -105,3 +106,24 @@ def test_an_uploaded_dataset_trains_and_its_files_are_served_from_the_store(
         assert not any(settings.resolved_artifact_dir().iterdir())
         assert not list(settings.resolved_data_dir().rglob("*.npz"))
         assert not list((settings.resolved_scratch_dir() / "jobs").iterdir())
+
+
+def test_an_unreachable_store_is_a_503_not_a_500(
+    settings: Settings, db: Database, team: Team, s3_server: S3Server
+) -> None:
+    """With credentials (the S3 server's fixture sets them), so the failure is the address."""
+    from tests.live import free_port
+
+    down = settings.model_copy(
+        update={
+            "storage_url": "s3://nowhere/team",
+            "s3_endpoint_url": f"http://127.0.0.1:{free_port()}",  # nothing listens there
+        }
+    )
+    with TestClient(create_app(down, db, auth=True)) as c:
+        api = Api(c, team.alice)
+        job_id = api.post("/v1/jobs", json={}).json()["id"]
+        for url in (f"/v1/jobs/{job_id}/logs", f"/v1/jobs/{job_id}/artifacts", "/v1/datasets"):
+            r = api.get(url)
+            assert r.status_code == 503, (url, r.text)
+            assert r.json()["error"] == "storage_unavailable"
