@@ -10,7 +10,6 @@ Why spawn: a forked SQLAlchemy engine or TF runtime can deadlock.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import socket
@@ -20,7 +19,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from multiprocessing.connection import Connection
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
@@ -33,15 +31,13 @@ from service.models import utcnow
 from service.settings import Settings
 from service.storage import open_storage
 from workers import checkpoints, child, gpus
-from workers.launchers import Handle, Launcher, LocalLauncher
+from workers.launchers import Handle, Launcher, LocalLauncher, Trainer
 from workers.protocol import Done, Message
 
 log = logging.getLogger("halfway.worker")
 
-Trainer = Callable[[dict[str, Any], Connection], None]
 Clock = Callable[[], datetime]
 
-SPAWN = multiprocessing.get_context("spawn")
 DB_RETRY_MAX_SECONDS = 5.0
 
 
