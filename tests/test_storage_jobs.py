@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import zipfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.db import Database
 from service.settings import Settings
-from service.storage import open_storage
+from service.storage import Storage, open_storage
 from tests.conftest import Api, Team
 from tests.s3 import S3Server
 from tests.test_training_keras import all_history
@@ -127,3 +128,63 @@ def test_an_unreachable_store_is_a_503_not_a_500(
             r = api.get(url)
             assert r.status_code == 503, (url, r.text)
             assert r.json()["error"] == "storage_unavailable"
+
+
+def _train(spec: dict[str, Any], files: Any, *, stop_after: int | None, resume: int | None) -> Any:
+    import threading
+
+    from tests.training_runs import Run
+    from workers.training import RunContext, train
+
+    stop = threading.Event()
+    run = Run(status=None, error=None)
+
+    def emit(message: Any) -> None:
+        run.messages.append(message)
+        last = message["records"][-1][0] if message["type"] == "steps" else -1
+        if stop_after is not None and last >= stop_after:
+            stop.set()
+
+    ctx = RunContext(
+        job_id=1,
+        spec=spec,
+        job_dir=files.local_dir,
+        data_dir=files.local_dir,
+        emit=emit,
+        stop=stop,
+        flush_seconds=0.0,
+        resume_step=resume,
+        files=files,
+    )
+    run.status = train(ctx)
+    return run
+
+
+def test_a_resumed_attempt_on_fresh_disk_uses_only_a_committed_checkpoint(
+    storage: Storage, tmp_path: Path
+) -> None:
+    """A new host (empty scratch) resumes from the store's checkpoint; the same checkpoint
+    without its marker (an upload cut short) is not resumed from: the attempt starts over."""
+    from tests.training_runs import job_spec
+    from workers import checkpoints
+    from workers.staging import JobFiles
+
+    spec = job_spec(tmp_path, training={"epochs": 4})
+    first = _train(
+        spec, JobFiles.for_job(storage, 1, tmp_path / "host-a"), stop_after=30, resume=None
+    )
+    assert first.status == "cancelled"
+    step = first.of_type("checkpoint")[-1]["step"]
+    assert 30 <= step < 92 and checkpoints.committed_steps(storage.artifacts, "1") == [step]
+
+    resumed = _train(
+        spec, JobFiles.for_job(storage, 1, tmp_path / "host-b"), stop_after=None, resume=step
+    )
+    assert resumed.status == "succeeded"
+    assert resumed.started["start_step"] == step and resumed.steps == list(range(step, 92))
+
+    storage.artifacts.delete(checkpoints.marker_key("1", step))
+    over = _train(
+        spec, JobFiles.for_job(storage, 1, tmp_path / "host-c"), stop_after=None, resume=step
+    )
+    assert over.started["start_step"] == 0 and over.steps == list(range(92))
