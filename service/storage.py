@@ -223,8 +223,11 @@ class FileStore(Store):
         return True
 
     def size(self, key: str) -> int | None:
-        path = self.path(key)
-        return path.stat().st_size if path.is_file() else None
+        try:
+            path = self.path(key)
+            return path.stat().st_size if path.is_file() else None
+        except OSError:  # a name too long for the file system, say: no such object
+            return None
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         with open(self.path(key), "rb") as f:

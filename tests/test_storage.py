@@ -189,3 +189,9 @@ def test_a_storage_url_halfway_cannot_open_is_refused_at_startup(url: str, tmp_p
 
     with pytest.raises(ValidationError, match="storage_url"):
         Settings(home=tmp_path, storage_url=url)
+
+
+def test_a_name_the_file_system_cannot_hold_is_simply_absent(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    assert store.size("a" * 5000 + ".npz") is None
+    assert store.size("x/" * 3000 + "y") is None

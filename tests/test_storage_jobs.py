@@ -65,6 +65,12 @@ def test_an_uploaded_dataset_trains_and_its_files_are_served_from_the_store(
         files={"file": ("blobs.npz", npz_bytes(), "application/octet-stream")},
     )
     assert again.status_code == 409
+    down = api.get(f"/v1/datasets/{path}")
+    assert down.status_code == 200 and down.content == npz_bytes()
+    for absent in ("uploads/alice/none.npz", "uploads/alice/../../x.npz", "uploads/a//b.npz"):
+        assert api.get(f"/v1/datasets/{absent}").status_code == 404, absent
+    refused = api.get("/v1/datasets/uploads/alice")
+    assert refused.status_code == 422 and refused.json()["fields"][0]["field"].endswith("path")
     missing = api.post("/v1/jobs", json={"data": {"kind": "npz", "path": "uploads/x.npz"}})
     assert missing.status_code == 422 and missing.json()["fields"][0]["rule"] == "not_found"
 
