@@ -26,6 +26,7 @@ from service.pollcache import PollCache
 from service.routes import artifacts, code, dashboard, datasets, history, jobs, meta, sweeps
 from service.schemas import LEGACY_AMP_ENV
 from service.settings import Settings
+from service.storage import StorageUnavailable
 
 log = logging.getLogger("halfway.api")
 
@@ -263,6 +264,11 @@ def create_app(
     async def _database_down(_: Request, exc: OperationalError) -> JSONResponse:
         log.warning("database unavailable: %s", exc.orig)
         return _error(503, "database_unavailable", "the database is unavailable; retry shortly")
+
+    @app.exception_handler(StorageUnavailable)
+    async def _storage_down(_: Request, exc: StorageUnavailable) -> JSONResponse:
+        log.warning("object store unavailable: %s", exc)
+        return _error(503, "storage_unavailable", "the object store is unavailable; retry shortly")
 
     registry = MetricsRegistry(db)
 

@@ -7,7 +7,7 @@ import logging
 import threading
 from collections.abc import Callable
 from enum import StrEnum
-from typing import Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 from sqlalchemy.orm import Session
@@ -16,6 +16,9 @@ from service import auth, grants, migrate
 from service.client import commands as client_commands
 from service.db import Database
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from workers.supervisor import Supervisor
 
 app = typer.Typer(
     help="Halfway: mixed-precision Keras training as a service.",
@@ -165,6 +168,20 @@ def worker(
         int | None,
         typer.Option(help="Serve this worker's Prometheus metrics (history-write latency)."),
     ] = None,
+    launcher: Annotated[
+        str,
+        typer.Option(help="Where training runs: 'local' (a process here) or 'ray' (a Ray actor)."),
+    ] = "local",
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="The Ray cluster (default: RAY_ADDRESS, else a Ray of our own)."),
+    ] = None,
+    max_jobs: Annotated[
+        int, typer.Option(min=1, help="With --launcher ray: jobs this worker runs at once.")
+    ] = 1,
+    ray_cpus_per_job: Annotated[
+        float, typer.Option(min=0, help="With --launcher ray: CPUs each job's actor asks for.")
+    ] = 1.0,
 ) -> None:
     """Run worker supervisors (no API) against the configured database."""
     from workers.gpus import parse_gpus, slots
@@ -174,6 +191,12 @@ def worker(
     settings = Settings()
     db = _database(settings)
     migrate.upgrade(db.engine)
+    if launcher not in ("local", "ray"):
+        typer.echo(f"--launcher: 'local' or 'ray', not {launcher!r}", err=True)
+        raise typer.Exit(2)
+    if launcher == "ray" and gpus is not None:
+        typer.echo("--gpus: with --launcher ray, Ray hands out the GPUs", err=True)
+        raise typer.Exit(2)
     try:
         gpu_ids = parse_gpus(gpus)
         groups = slots(gpu_ids, gpus_per_slot)
@@ -184,10 +207,13 @@ def worker(
         from prometheus_client import start_http_server
 
         start_http_server(metrics_port, addr=settings.host)
-    supervisors = [
-        Supervisor(db, settings, gpu_ids=group, worker_id=new_worker_id(f"s{i}"))
-        for i, group in enumerate(groups)
-    ]
+    if launcher == "ray":
+        supervisors = _ray_supervisors(db, settings, ray_address, max_jobs, ray_cpus_per_job)
+    else:
+        supervisors = [
+            Supervisor(db, settings, gpu_ids=group, worker_id=new_worker_id(f"s{i}"))
+            for i, group in enumerate(groups)
+        ]
     threads = [
         threading.Thread(target=s.run_forever, name=f"halfway-worker-{i}", daemon=True)
         for i, s in enumerate(supervisors)
@@ -209,6 +235,29 @@ def worker(
         s.stop()
     for t in threads:
         t.join(timeout=settings.cancel_grace_seconds + 15)
+
+
+def _ray_supervisors(
+    db: Database, settings: Settings, address: str | None, max_jobs: int, cpus: float
+) -> list[Supervisor]:
+    """``max_jobs`` supervisors sharing one Ray connection: each claims and runs one job at
+    a time as now, and Ray places each job's actor on a node with room. A supervisor holds
+    as many GPUs as the largest node has, so it claims only jobs Ray could place."""
+    from workers.launchers import RayLauncher
+    from workers.supervisor import Supervisor, new_worker_id
+
+    try:
+        ray = RayLauncher(address, cpus_per_job=cpus)
+    except ModuleNotFoundError as exc:
+        if exc.name != "ray":
+            raise
+        typer.echo("--launcher ray needs Ray: pip install 'halfway[ray]'", err=True)
+        raise typer.Exit(2) from None
+    held = list(range(ray.gpus_per_node()))
+    return [
+        Supervisor(db, settings, gpu_ids=held, worker_id=new_worker_id(f"r{i}"), launcher=ray)
+        for i in range(max_jobs)
+    ]
 
 
 @db_app.command("upgrade")

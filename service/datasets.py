@@ -15,6 +15,7 @@ from typing import IO, Any
 import numpy as np
 
 from service.errors import Conflict, SpecError
+from service.storage import AlreadyExists, StorageError, Store, check_key
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 REQUIRED = ("x_train", "y_train")
@@ -27,8 +28,9 @@ class ArrayInfo:
     dtype: str
 
 
-def read_headers(path: Path) -> dict[str, ArrayInfo]:
-    """Shape and dtype of every array in an .npz, read from the .npy headers."""
+def read_headers(path: Path | IO[bytes]) -> dict[str, ArrayInfo]:
+    """Shape and dtype of every array in an .npz, read from the .npy headers (a path, or a
+    seekable reader of an object in the store)."""
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError):
@@ -116,23 +118,28 @@ def validate(infos: dict[str, ArrayInfo]) -> None:
 
 
 def store(
-    upload: IO[bytes], *, name: str, owner: str, data_dir: Path, max_bytes: int
+    upload: IO[bytes], *, name: str, owner: str, data: Store, max_bytes: int
 ) -> tuple[str, dict[str, ArrayInfo], int]:
     """Copy the upload to a temporary file (refusing it past ``max_bytes``), check it, and
-    move it into place. Returns its path relative to the data directory."""
+    put it in the data store, never over an existing dataset. Returns its key, which specs
+    name as ``data.path``."""
     if not NAME.match(name):
         raise SpecError(
             "name", "pattern", "letters, digits, '.', '_' and '-', starting with a letter or digit"
         )
     filename = name if name.endswith(".npz") else f"{name}.npz"
-    folder = (data_dir / "uploads" / owner).resolve()
-    if not folder.is_relative_to(data_dir.resolve()):
-        raise SpecError("name", "path", "escapes the data directory")
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / filename
-    if target.exists():
+    try:
+        key = check_key(f"uploads/{owner}/{filename}")
+    except StorageError:
+        raise SpecError("name", "path", "escapes the data directory") from None
+    if data.exists(key):
         raise Conflict(f"dataset {filename} already exists; upload under another name", "name")
-    fd, tmp_name = tempfile.mkstemp(dir=folder, suffix=".part")
+    local = data.local_path(key)
+    # On a local store the spool sits beside its target, so it is linked into place, not
+    # copied; for a remote one it is a local temporary file that is uploaded.
+    if local is not None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=local.parent if local else None, suffix=".part")
     tmp = Path(tmp_name)
     try:
         size = 0
@@ -148,20 +155,19 @@ def store(
                 out.write(chunk)
         infos = read_headers(tmp)
         validate(infos)
-        os.link(tmp, target)  # fails if another upload took the name meanwhile
-    except FileExistsError:
+        if local is not None:
+            os.link(tmp, local)  # fails if another upload took the name meanwhile
+        else:
+            with open(tmp, "rb") as f:
+                data.put_stream(key, f, if_absent=True)
+    except (FileExistsError, AlreadyExists):
         raise Conflict(
             f"dataset {filename} already exists; upload under another name", "name"
         ) from None
     finally:
         tmp.unlink(missing_ok=True)
-    return str(target.relative_to(data_dir.resolve())), infos, size
+    return key, infos, size
 
 
-def listing(data_dir: Path) -> list[dict[str, Any]]:
-    root = data_dir.resolve()
-    out = []
-    for path in sorted(root.rglob("*.npz")):
-        if path.is_file():
-            out.append({"path": str(path.relative_to(root)), "bytes": path.stat().st_size})
-    return out
+def listing(data: Store) -> list[dict[str, Any]]:
+    return [{"path": e.key, "bytes": e.size} for e in data.list() if e.key.endswith(".npz")]

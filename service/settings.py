@@ -9,8 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.storage import StorageConfig, check_storage_url
 
 DEFAULT_HOME = Path(".halfway")
 
@@ -32,6 +34,20 @@ class Settings(BaseSettings):
         default=None, description="Job artifacts; default <home>/artifacts."
     )
     code_dir: Path | None = Field(default=None, description="Code bundles; default <home>/code.")
+    storage_url: str | None = Field(
+        default=None,
+        description="Where files live: file:///path or s3://bucket/prefix (several hosts). "
+        "Default: HALFWAY_DATA_DIR and HALFWAY_ARTIFACT_DIR.",
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="An S3-compatible server (MinIO, Ceph, ...); default AWS."
+    )
+    s3_region: str | None = Field(default=None, description="Default: AWS_DEFAULT_REGION.")
+    scratch_dir: Path | None = Field(
+        default=None,
+        description="Local disk where a training child stages files for a remote store; "
+        "default <home>/scratch.",
+    )
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -91,6 +107,20 @@ class Settings(BaseSettings):
     )
     gpu_free_timeout_seconds: float = Field(default=120.0, ge=0)
 
+    @field_validator("storage_url", "s3_endpoint_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        # Compose passes an unset variable as an empty string.
+        return None if value == "" else value
+
+    @field_validator("storage_url")
+    @classmethod
+    def _a_store_we_open(cls, value: str | None) -> str | None:
+        # Refused at startup, not on the first request or job that touches a file.
+        if value is not None:
+            check_storage_url(value)
+        return value
+
     def resolved_database_url(self) -> str:
         if self.database_url:
             return self.database_url
@@ -104,6 +134,18 @@ class Settings(BaseSettings):
 
     def resolved_code_dir(self) -> Path:
         return (self.code_dir or self.home / "code").resolve()
+
+    def resolved_scratch_dir(self) -> Path:
+        return (self.scratch_dir or self.home / "scratch").resolve()
+
+    def storage_config(self) -> StorageConfig:
+        return StorageConfig(
+            url=self.storage_url,
+            artifact_dir=str(self.resolved_artifact_dir()),
+            data_dir=str(self.resolved_data_dir()),
+            s3_endpoint_url=self.s3_endpoint_url,
+            s3_region=self.s3_region,
+        )
 
     def ensure_dirs(self) -> None:
         self.home.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 from service import code, datasets
 from service.errors import FieldErrors, NotFound, SpecError
@@ -25,6 +25,7 @@ from service.schemas import (
     TransformerModel,
 )
 from service.settings import Settings
+from service.storage import StorageError, Store, check_key, open_storage
 
 KERAS_TRAIN_SIZES = {"mnist": 60_000, "fashion_mnist": 60_000, "cifar10": 50_000}
 
@@ -266,7 +267,9 @@ def _shape_text(model: CNNModel | TransformerModel) -> str:
 
 
 def _check_data_path(data: NpzData, settings: Settings) -> None:
-    path = resolve_data_path(data.path, settings.resolved_data_dir())
+    store = open_storage(settings.storage_config()).data
+    root = store.local_root()
+    path = resolve_data_path(data.path, root) if root is not None else _object(data.path, store)
     try:
         # Only the .npy headers are read, nothing is unpickled: a file that is no archive of
         # plain arrays (a renamed pickle, object arrays) never reaches a worker. Whether the
@@ -274,6 +277,21 @@ def _check_data_path(data: NpzData, settings: Settings) -> None:
         datasets.read_headers(path)
     except SpecError as exc:
         raise SpecError("data.path", exc.rule, f"{data.path}: {exc.detail}") from None
+
+
+def _object(relative: str, store: Store) -> IO[bytes]:
+    """The object a spec names in a remote data store, as a reader of its headers."""
+    try:
+        key = check_key(relative)
+    except StorageError:
+        raise SpecError(
+            "data.path", "outside_data_dir", "must name a file inside the data directory"
+        ) from None
+    if not key.endswith(".npz"):
+        raise SpecError("data.path", "npz", "must name an .npz file")
+    if not store.exists(key):
+        raise SpecError("data.path", "not_found", f"no such file in the data store: {relative}")
+    return store.open_reader(key)
 
 
 def resolve_data_path(relative: str, data_dir: Path) -> Path:

@@ -23,7 +23,7 @@ from service.app import create_app
 from service.db import Database, normalize_url
 from service.settings import Settings
 
-pytest_plugins = ["tests.live"]
+pytest_plugins = ["tests.live", "tests.s3"]
 
 PG_URL = os.environ.get("HALFWAY_TEST_DATABASE_URL")
 BACKENDS = ["sqlite", "postgresql"] if PG_URL else ["sqlite"]

@@ -47,6 +47,8 @@ SOURCE_DIRS = ("service", "workers", "migrations")
 SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|PASSPHRASE|PRIVATE_KEY", re.IGNORECASE)
 # A required interpolation without a default: ${NAME:?message} (or ${NAME?message}).
 REQUIRED_REFERENCE = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*:?\?[^}]*\}")
+# An optional one whose default is nothing at all: ${NAME:-} (the object store's keys).
+EMPTY_DEFAULT = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*:-\}")
 
 
 # --- reading the files -------------------------------------------------------------------------
@@ -468,7 +470,10 @@ def test_database_password_comes_from_the_environment_with_no_default(
     for name, service in services.items():
         for key, value in service_environment(service).items():
             if SECRET_NAME.search(key):
-                assert REQUIRED_REFERENCE.fullmatch(value), f"{name}: {key} is not ${{VAR:?...}}"
+                # Required, or optional and then empty when unset: never a default secret.
+                assert REQUIRED_REFERENCE.fullmatch(value) or EMPTY_DEFAULT.fullmatch(value), (
+                    f"{name}: {key} is neither ${{VAR:?...}} nor ${{VAR:-}}"
+                )
             if key == "HALFWAY_DATABASE_URL":
                 url = make_url(value)
                 assert url.password is None or REQUIRED_REFERENCE.fullmatch(str(url.password))
@@ -912,3 +917,135 @@ def test_nothing_puts_an_init_in_front_of_halfway_and_pid_1_is_proved_for_each_c
     proved = {command_path(services[s]["command"]) for s in ("api", "worker-cpu")}
     for name in LONG_RUNNING:
         assert command_path(services[name]["command"]) in proved, name
+
+
+# --- the optional object store ----------------------------------------------------------------
+
+OBJECTSTORE = ("objectstore", "objectstore-bucket")
+
+
+def shell_command(service: dict[str, Any]) -> str:
+    """The script of a ``sh -c`` service, as the container's shell gets it ($$ is Compose's
+    escape for a literal $)."""
+    assert argv_of(service["entrypoint"]) == ["/bin/sh", "-c"]
+    (script,) = service["command"]
+    return str(script).replace("$$", "$")
+
+
+def run_with_stub(script: str, stub: str, env: dict[str, str], tmp: Path) -> tuple[int, str]:
+    """Run ``script`` with ``stub`` (minio or mc) on PATH as a program that logs its argv."""
+    bin_dir = tmp / f"stub-{stub}"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp / f"{stub}.log"
+    program = bin_dir / stub
+    program.write_text(f'#!/bin/sh\necho "{stub} $*" >> {log}\n')
+    program.chmod(0o755)
+    run = subprocess.run(
+        ["/bin/sh", "-c", script],
+        env={"PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return run.returncode, log.read_text() if log.exists() else ""
+
+
+def test_the_object_store_is_opt_in_behind_a_profile(services: dict[str, dict[str, Any]]) -> None:
+    for name in OBJECTSTORE:
+        assert services[name].get("profiles") == ["objectstore"], name
+    assert "/data" in mounts(services["objectstore"])
+    for name in LONG_RUNNING:
+        # A dependency on a service in an inactive profile would stop the default stack.
+        assert not set(services[name].get("depends_on") or {}) & set(OBJECTSTORE), name
+
+
+def test_halfway_and_the_object_store_read_the_same_settings(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    minio = service_environment(services["objectstore"])
+    assert minio["MINIO_ROOT_USER"] == "${AWS_ACCESS_KEY_ID:-}"
+    assert minio["MINIO_ROOT_PASSWORD"] == "${AWS_SECRET_ACCESS_KEY:-}"
+    bucket = service_environment(services["objectstore-bucket"])
+    for name in HALFWAY_SERVICES:
+        env = service_environment(services[name])
+        assert env["HALFWAY_STORAGE_URL"] == bucket["HALFWAY_STORAGE_URL"], name
+        assert env["HALFWAY_S3_ENDPOINT_URL"] == "${HALFWAY_S3_ENDPOINT_URL:-}", name
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            assert env[key] == bucket[key], (name, key)
+
+
+def test_an_unset_storage_variable_means_the_volumes(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path, storage_url="", s3_endpoint_url="")
+    assert settings.storage_url is None and settings.s3_endpoint_url is None
+    assert settings.storage_config().url is None
+
+
+@pytest.mark.parametrize(
+    ("user", "password", "starts"),
+    [
+        ("halfway", "", False),
+        ("halfway", "short", False),
+        ("", "long-enough", False),
+        ("halfway", "long-enough-secret", True),
+    ],
+)
+def test_the_object_store_refuses_missing_or_weak_credentials(
+    services: dict[str, dict[str, Any]], tmp_path: Path, user: str, password: str, starts: bool
+) -> None:
+    env = {"MINIO_ROOT_USER": user, "MINIO_ROOT_PASSWORD": password}
+    code, log = run_with_stub(shell_command(services["objectstore"]), "minio", env, tmp_path)
+    if starts:
+        assert code == 0 and log == "minio server /data\n", log
+    else:
+        # MinIO would fall back to its well-known default credentials: it must not start.
+        assert code != 0 and log == ""
+
+
+def test_the_bucket_job_creates_the_bucket_the_storage_url_names(
+    services: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    env = {
+        "HALFWAY_STORAGE_URL": "s3://team-files/halfway/prod",
+        "AWS_ACCESS_KEY_ID": "halfway",
+        "AWS_SECRET_ACCESS_KEY": "long-enough-secret",
+    }
+    script = shell_command(services["objectstore-bucket"])
+    code, log = run_with_stub(script, "mc", env, tmp_path)
+    assert code == 0, log
+    assert log.splitlines() == [
+        "mc alias set store http://objectstore:9000 halfway long-enough-secret",
+        "mc mb --ignore-existing store/team-files",
+    ]
+    url = service_environment(services["objectstore-bucket"])["HALFWAY_STORAGE_URL"]
+    assert url == "${HALFWAY_STORAGE_URL:-}"
+    assert "objectstore:9000" in script  # the compose service's name and MinIO's port
+
+
+def test_compose_client_accepts_the_object_store_profile(tmp_path: Path) -> None:
+    client = compose_client()
+    assert client is not None or not os.environ.get("CI"), "no Docker Compose client in CI"
+    if client is None:
+        pytest.skip("no Docker Compose client on PATH (.ci/run installs docker-compose)")
+    empty_env_file = tmp_path / "empty.env"
+    empty_env_file.write_text("")
+    argv = [*client, "--env-file", str(empty_env_file), "-f", str(COMPOSE_FILE)]
+    argv += ["--profile", "objectstore", "config"]
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": str(tmp_path),
+        "POSTGRES_PASSWORD": "only-for-this-test",
+        "HALFWAY_STORAGE_URL": "s3://halfway/team",
+        "HALFWAY_S3_ENDPOINT_URL": "http://objectstore:9000",
+        "AWS_ACCESS_KEY_ID": "halfway",
+        "AWS_SECRET_ACCESS_KEY": "s3-secret-for-this-test",
+    }
+    full = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    resolved = yaml.safe_load(full.stdout)
+    assert isinstance(resolved, dict), full.stderr
+    assert set(OBJECTSTORE) <= set(resolved["services"])
+    minio = service_environment(resolved["services"]["objectstore"])
+    assert minio["MINIO_ROOT_PASSWORD"] == "s3-secret-for-this-test"
+    for name in HALFWAY_SERVICES:
+        got = service_environment(resolved["services"][name])
+        assert got["HALFWAY_STORAGE_URL"] == "s3://halfway/team"
+        assert got["AWS_SECRET_ACCESS_KEY"] == "s3-secret-for-this-test"

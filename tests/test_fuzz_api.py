@@ -77,6 +77,7 @@ OPERATIONS = [
     "GET /v1/jobs/{job_id}/logs",
     "GET /v1/datasets",
     "POST /v1/datasets",
+    "GET /v1/datasets/{path}",
     "POST /v1/sweeps",
     "GET /v1/sweeps/{sweep_id}",
     "POST /v1/code",

@@ -108,20 +108,3 @@ def test_device_warnings_reach_the_job(db: Database, settings: Settings) -> None
     job_id = make_job(db, {"steps": 2, "device_warnings": ["GPU 0 has compute capability 6.1"]})
     sup.run_once()
     assert "GPU 0 has compute capability 6.1" in load(db, job_id).warnings
-
-
-def test_checkpoint_housekeeping_keeps_the_acknowledged_one_and_newer(tmp_path: Any) -> None:
-    from workers import checkpoints
-
-    for step in (100, 200, 300):
-        checkpoints.checkpoint_path(tmp_path, step).write_bytes(b"x")
-    (tmp_path / "checkpoint-000000000050.npz.part").write_bytes(b"x")
-    (tmp_path / "model.keras").write_bytes(b"keep")
-    checkpoints.prune(tmp_path, 200)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint-000000000200.npz",
-        "checkpoint-000000000300.npz",
-        "model.keras",
-    ]
-    checkpoints.remove_all(tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == ["model.keras"]

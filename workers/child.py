@@ -14,17 +14,27 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.protocol import JobError
 
+if TYPE_CHECKING:
+    from workers.staging import JobFiles
+
 
 def run(payload: dict[str, Any], conn: Connection) -> None:
-    _die_with_parent(payload.get("supervisor_pid"))
-    job_dir = Path(payload["job_dir"])
-    job_dir.mkdir(parents=True, exist_ok=True)
+    _die_with_parent(payload.get("parent_pid"))
+    try:
+        files, data_dir = _stage(payload)
+    except Exception as exc:  # the store unreachable: perhaps transient, so a retry
+        message = f"could not stage the job's files: {type(exc).__name__}: {exc}"
+        conn.send({"type": "done", "status": "failed", "error": message, "retryable": True})
+        conn.close()
+        return
+    job_dir = files.local_dir
     _redirect_output(job_dir / "train.log")
     stop = threading.Event()
+    files.start_shipping(shipped := threading.Event())
     # SIGTERM asks for a clean stop: the current execution finishes, its records are drained
     # and sent, a checkpoint is written. The supervisor sends SIGKILL after a grace period.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -40,7 +50,7 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
                 job_id=payload["job_id"],
                 spec=payload["spec"],
                 job_dir=job_dir,
-                data_dir=Path(payload["data_dir"]),
+                data_dir=data_dir,
                 emit=conn.send,
                 stop=stop,
                 flush_seconds=payload.get("flush_seconds", 0.5),
@@ -49,6 +59,7 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
                 attempt=payload.get("attempt") or 1,
                 max_parameters=payload.get("max_parameters"),
                 code_dir=Path(payload["code_dir"]) if payload.get("code_dir") else None,
+                files=files,
             )
         )
         conn.send({"type": "done", "status": status, "error": None, "retryable": False})
@@ -65,6 +76,22 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
     finally:
         conn.close()
     print("halfway: child exiting", flush=True)
+    shipped.set()
+    with contextlib.suppress(Exception):
+        files.ship()
+    files.clean_scratch()
+
+
+def _stage(payload: dict[str, Any]) -> tuple[JobFiles, Path]:
+    """The job's local directory (in the store, or scratch for a remote one) with the log of
+    earlier attempts, and a local directory holding its dataset."""
+    from workers.staging import JobFiles, data_dir_for, open_payload_storage
+
+    storage = open_payload_storage(payload)
+    scratch = Path(payload["scratch_dir"])
+    files = JobFiles.for_job(storage, payload["job_id"], scratch)
+    files.restore_log()
+    return files, data_dir_for(storage, payload["spec"], scratch)
 
 
 def device_env(gpu_ids: list[int]) -> dict[str, str]:
@@ -78,11 +105,12 @@ def device_env(gpu_ids: list[int]) -> dict[str, str]:
     }
 
 
-def _die_with_parent(supervisor_pid: int | None) -> None:
-    """Ask Linux to SIGKILL us if the supervisor dies, so an orphan never keeps training (and
-    holding a GPU) while another worker reclaims the job.
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Ask Linux to SIGKILL us if our parent (the supervisor, or the Ray actor that started
+    us) dies, so an orphan never keeps training (and holding a GPU) while another worker
+    reclaims the job.
 
-    The supervisor hands us its pid: "my parent is now PID 1" does not mean it died when the
+    The launcher hands us its pid: "my parent is now PID 1" does not mean it died when the
     supervisor itself is PID 1 (a container without an init process)."""
     if not sys.platform.startswith("linux"):
         return
@@ -91,7 +119,7 @@ def _die_with_parent(supervisor_pid: int | None) -> None:
     pr_set_pdeathsig = 1
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if supervisor_pid is not None and os.getppid() != supervisor_pid:
+    if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)  # the supervisor died before prctl took effect: we were reparented
 
 

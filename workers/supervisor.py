@@ -9,19 +9,14 @@ Why spawn: a forked SQLAlchemy engine or TF runtime can deadlock.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import multiprocessing
 import os
 import signal
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
@@ -31,14 +26,14 @@ from service.db import Database
 from service.history import StepRecord
 from service.metrics import HISTORY_WRITE_LATENCY
 from service.settings import Settings
+from service.storage import open_storage
 from workers import checkpoints, child, gpus
+from workers.launchers import Handle, Launcher, LocalLauncher, Trainer
 from workers.protocol import Done, Message
 
 log = logging.getLogger("halfway.worker")
 
-Trainer = Callable[[dict[str, Any], Connection], None]
 
-SPAWN = multiprocessing.get_context("spawn")
 DB_RETRY_MAX_SECONDS = 5.0
 
 
@@ -69,6 +64,7 @@ class _Run:
     new_forensics: list[dict[str, Any]] = field(default_factory=list)
     new_notes: list[str] = field(default_factory=list)
     pid: int | None = None
+    placement: dict[str, str] = field(default_factory=dict)
     truncate_at: int | None = None
     steps_per_second: float | None = None
     done: Done | None = None
@@ -78,6 +74,7 @@ class _Run:
     lease_lost: bool = False
     signalled_at: float | None = None
     hang_error: str | None = None
+    death: str | None = None  # why the launcher lost the child (a Ray node died)
     last_message: float = field(default_factory=time.monotonic)
     last_sync: float = 0.0
     next_db_try: float = 0.0
@@ -95,6 +92,7 @@ class Supervisor:
         worker_id: str | None = None,
         gpu_ids: list[int] | None = None,
         memory_probe: gpus.MemoryProbe = gpus.used_memory_mib,
+        launcher: Launcher | None = None,
     ) -> None:
         self.db = db
         self.settings = settings
@@ -102,6 +100,8 @@ class Supervisor:
         self.worker_id = worker_id or new_worker_id()
         self.gpu_ids = list(gpu_ids or [])
         self.memory_probe = memory_probe
+        self.launcher: Launcher = launcher or LocalLauncher()
+        self.storage = open_storage(settings.storage_config())
         self.stop_event = threading.Event()
         self.current_job: int | None = None
 
@@ -126,7 +126,9 @@ class Supervisor:
     def gpus_free(self) -> bool:
         """Whether this slot's GPUs are free of the previous job's memory: a cancelled or
         killed child's memory is released by the driver, and the next job must not start
-        into a half-full device."""
+        into a half-full device. (Under Ray the GPUs are Ray's to hand out.)"""
+        if not self.launcher.uses_local_gpus:
+            return True
         return gpus.wait_until_free(
             self.gpu_ids,
             threshold_mib=self.settings.gpu_free_mib,
@@ -179,19 +181,15 @@ class Supervisor:
         return {
             "job_id": claim.job_id,
             "attempt": claim.attempt,
-            "supervisor_pid": os.getpid(),
             "spec": claim.spec,
-            "job_dir": str(self.job_dir(claim.job_id)),
-            "data_dir": str(self.settings.resolved_data_dir()),
+            "storage": self.settings.storage_config().to_dict(),
+            "scratch_dir": str(self.settings.resolved_scratch_dir()),
             "gpu_ids": gpu_ids,
             "flush_seconds": self.settings.history_flush_seconds,
             "resume_step": claim.checkpoint_step,
             "max_parameters": self.settings.max_parameters,
             "code_dir": str(self.settings.resolved_code_dir()),
         }
-
-    def job_dir(self, job_id: int) -> Path:
-        return self.settings.resolved_artifact_dir() / str(job_id)
 
     def _gpus_for(self, spec: dict[str, Any]) -> list[int]:
         wanted = spec.get("resources", {}).get("gpus", "auto")
@@ -201,55 +199,35 @@ class Supervisor:
     def _run_claim(self, claim: jobs.Claim) -> Outcome:
         run = _Run(job_id=claim.job_id, attempt=claim.attempt, resume_step=claim.checkpoint_step)
         gpu_ids = self._gpus_for(claim.spec)
-        receiver, sender = SPAWN.Pipe(duplex=False)
-        process = SPAWN.Process(
-            target=self.trainer,
-            args=(self._payload(claim, gpu_ids), sender),
+        handle = self.launcher.start(
+            self.trainer,
+            self._payload(claim, gpu_ids),
             name=f"halfway-job-{claim.job_id}",
-            daemon=True,
+            gpus=len(gpu_ids),
         )
-        process.start()
-        run.pid = process.pid
+        run.pid = handle.pid
         log.info(
             "job %s attempt %s: training in process %s",
             claim.job_id,
             claim.attempt,
-            process.pid,
+            handle.pid,
             extra=self._context(claim.job_id, attempt=claim.attempt),
         )
-        sender.close()  # the child holds the only write end: EOF means it is gone
-        pipe_open = True
         try:
             while True:
-                wait([receiver, process.sentinel] if pipe_open else [process.sentinel], timeout=0.2)
-                if pipe_open:
-                    pipe_open = self._drain(receiver, run)
-                self._tick(run, process)
+                for msg in handle.poll(0.2):
+                    run.pid, run.placement = handle.pid, handle.placement
+                    self._handle(run, msg)
+                self._tick(run, handle)
                 if run.lease_lost:
-                    self._kill(process)
+                    handle.kill()
                     return Outcome("lost", "another worker holds the job now")
-                if not process.is_alive() and not pipe_open:
+                if handle.finished():
                     break
-                if not process.is_alive() and pipe_open:
-                    # Exited; whatever it sent is still readable, then EOF.
-                    pipe_open = self._drain(receiver, run)
-                    if pipe_open and not receiver.poll(0.5):
-                        pipe_open = False
         finally:
-            receiver.close()
-            process.join(timeout=5)
-            if process.is_alive():
-                self._kill(process)
-        return self._finish(run, process.exitcode)
-
-    def _drain(self, receiver: Connection, run: _Run) -> bool:
-        """Read every message waiting in the pipe. False once the child closed it."""
-        try:
-            while receiver.poll():
-                self._handle(run, receiver.recv())
-        except (EOFError, OSError):
-            return False
-        return True
+            handle.close()
+        run.death = handle.death
+        return self._finish(run, handle.exitcode)
 
     def _handle(self, run: _Run, msg: Message) -> None:
         run.last_message = time.monotonic()
@@ -263,7 +241,7 @@ class Supervisor:
             if run.resume_step is not None and msg["start_step"] != run.resume_step:
                 run.missing_checkpoint = (
                     f"attempt {run.attempt}: the acknowledged checkpoint of step "
-                    f"{run.resume_step} was missing from {self.job_dir(run.job_id)}, so the "
+                    f"{run.resume_step} was missing from the job's store, so the "
                     f"job restarted from step {msg['start_step']} (its history from there on "
                     "is replaced)"
                 )
@@ -278,6 +256,7 @@ class Supervisor:
                     **msg["device"],
                     "steps_per_execution": msg["steps_per_execution"],
                     "pid": run.pid,
+                    **run.placement,
                 },
             )
         elif msg["type"] == "metrics":
@@ -297,7 +276,7 @@ class Supervisor:
         elif msg["type"] == "done":
             run.done = msg
 
-    def _tick(self, run: _Run, process: Any) -> None:
+    def _tick(self, run: _Run, process: Handle) -> None:
         now = time.monotonic()
         s = self.settings
         due = now - run.last_sync >= min(s.history_flush_seconds, s.lease_seconds / 3)
@@ -306,22 +285,22 @@ class Supervisor:
         if self.stop_event.is_set() and not run.cancel_requested:
             run.shutting_down = True
         wants_stop = run.cancel_requested or run.shutting_down
-        if wants_stop and run.signalled_at is None and process.is_alive():
-            process.terminate()  # SIGTERM: drain, checkpoint, exit
+        if wants_stop and run.signalled_at is None and process.alive():
+            process.stop()  # SIGTERM: drain, checkpoint, exit
             run.signalled_at = now
         if (
             run.signalled_at is not None
-            and process.is_alive()
+            and process.alive()
             and now - run.signalled_at > s.cancel_grace_seconds
         ):
-            self._kill(process)
+            process.kill()
         limit = s.hang_timeout_seconds if run.started else s.startup_timeout_seconds
-        if process.is_alive() and run.signalled_at is None and now - run.last_message > limit:
+        if process.alive() and run.signalled_at is None and now - run.last_message > limit:
             run.hang_error = (
                 f"no progress from the training process for {limit:.0f} s "
                 f"({'during training' if run.started else 'while starting'}); it was killed"
             )
-            self._kill(process)
+            process.kill()
 
     def _sync(self, run: _Run) -> bool:
         """Write pending history and updates and renew the lease, in one transaction. Returns
@@ -390,7 +369,7 @@ class Supervisor:
         HISTORY_WRITE_LATENCY.observe(time.perf_counter() - started)
         acknowledged = run.updates.get("checkpoint_step")
         if acknowledged is not None:
-            checkpoints.prune(self.job_dir(run.job_id), acknowledged)
+            checkpoints.prune(self.storage.artifacts, str(run.job_id), acknowledged)
         if run.db_down_since is not None:
             log.info(
                 "job %s: database back, wrote %d pending rows",
@@ -411,12 +390,6 @@ class Supervisor:
         run.last_sync = time.monotonic()
         return True
 
-    def _kill(self, process: Any) -> None:
-        if process.is_alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGKILL)
-        process.join(timeout=10)
-
     # ---------------------------------------------------------------------------------------
     # The end of an attempt
 
@@ -434,6 +407,8 @@ class Supervisor:
             return Outcome("retry" if done["retryable"] else "failed", done["error"])
         if done is not None and done["status"] == "cancelled":
             return Outcome("retry", "the training process was stopped by SIGTERM")
+        if run.death is not None:
+            return Outcome("retry", run.death)
         if exitcode is not None and exitcode < 0:
             try:
                 name = signal.Signals(-exitcode).name
@@ -495,5 +470,5 @@ class Supervisor:
             )
             if not ok:
                 return lost
-        checkpoints.remove_all(self.job_dir(run.job_id))
+        checkpoints.remove_all(self.storage.artifacts, str(run.job_id))
         return outcome

@@ -29,6 +29,7 @@ from workers.losses import build_loss, spec_metrics
 from workers.protocol import JobError, Message
 from workers.recording import Drained, HalfwayTrainer, OverflowForensics, StepRecorder
 from workers.scaler import HalfwayLossScaleOptimizer, make_scaler
+from workers.staging import JobFiles
 
 Emit = Callable[[Message], None]
 
@@ -51,6 +52,7 @@ class RunContext:
     attempt: int = 1
     max_parameters: int | None = None  # the server's limit, for models sized only here
     code_dir: Path | None = None  # where code bundles are unpacked (code jobs)
+    files: JobFiles | None = None  # how job_dir reaches the store; None: job_dir is the store
 
 
 def configure_devices(ctx: RunContext) -> dict[str, Any]:
@@ -145,8 +147,9 @@ class Checkpointer:
     that step together with the history before it), never from a newer one whose rows may
     have died with a killed supervisor. The supervisor deletes superseded files."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, files: JobFiles | None = None) -> None:
         self.directory = directory
+        self.files = files or JobFiles.local(directory)
 
     def path(self, step: int) -> Path:
         return checkpoint_path(self.directory, step)
@@ -167,6 +170,7 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+        self.files.commit_checkpoint(step, target)
 
     def restore(self, trainer: HalfwayTrainer, step: int) -> Progress | None:
         """Load the checkpoint into the trainer; its progress (None in an older one)."""
@@ -592,7 +596,7 @@ class Plan:
     validation: Any = None
     validation_batch_size: int | None = None
     callbacks: list[Any] = field(default_factory=list)
-    save: Callable[[Path], None] | None = None
+    save: Callable[[Path], list[str]] | None = None  # the files it wrote
     resume_note: Callable[[int, int], str | None] | None = None
     # Turns an exception raised in fit() into the job's own error (no retry), or None.
     blame: Callable[[Exception], Exception | None] | None = None
@@ -691,10 +695,12 @@ def run_plan(ctx: RunContext, plan: Plan, device: dict[str, Any]) -> str:
     epochs = training["epochs"]
     total = per_epoch * epochs
 
-    checkpointer = Checkpointer(ctx.job_dir)
+    checkpointer = Checkpointer(ctx.job_dir, ctx.files)
     start = ctx.resume_step or 0
-    if start and not checkpointer.path(start).is_file():
-        # The supervisor sees start_step 0 in "started" and records why in the job.
+    # Only a committed checkpoint, whole and as committed, is resumed from (fetched from the
+    # store into job_dir when it is remote). Without one, the supervisor sees start_step 0 in
+    # "started" and records why in the job.
+    if start and checkpointer.files.fetch_checkpoint(start) is None:
         print(f"halfway: checkpoint for step {start} is missing; starting over", flush=True)
         start = 0
     progress = checkpointer.restore(trainer, start) if start else None
@@ -769,9 +775,12 @@ def run_plan(ctx: RunContext, plan: Plan, device: dict[str, Any]) -> str:
     if spec["outputs"]["save_model"]:
         with disk_errors_explained(ctx.job_dir):
             if plan.save is not None:
-                plan.save(ctx.job_dir)
+                saved = plan.save(ctx.job_dir)
             else:
                 save_keras(model, ctx.job_dir / "model.keras")
+                saved = ["model.keras"]
+            for name in saved:
+                checkpointer.files.publish(name)
     return "succeeded"
 
 

@@ -353,9 +353,10 @@ def _array_epochs(
     return epoch_data
 
 
-def _save(built: Built, job_dir: Path, ctx: RunContext) -> None:
+def _save(built: Built, job_dir: Path, ctx: RunContext) -> list[str]:
     """The weights always (they load into the model the bundle builds); the .keras file
-    when Keras can serialize the model (it needs the bundle's custom objects to load)."""
+    when Keras can serialize the model (it needs the bundle's custom objects to load).
+    Returns the names of the files written."""
     model = built.model
     partial = job_dir / "model.partial.weights.h5"
     model.save_weights(partial)
@@ -372,7 +373,7 @@ def _save(built: Built, job_dir: Path, ctx: RunContext) -> None:
                 "function builds (model.load_weights).",
             }
         )
-        return
+        return ["model.weights.h5"]
     ctx.emit(
         {
             "type": "note",
@@ -382,3 +383,4 @@ def _save(built: Built, job_dir: Path, ctx: RunContext) -> None:
             "loads into the model your function builds (model.load_weights).",
         }
     )
+    return ["model.weights.h5", "model.keras"]

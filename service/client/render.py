@@ -234,6 +234,11 @@ def server_artifact_dir(flag: str | None, env: Mapping[str, str]) -> str:
     """Our best knowledge of the server's HALFWAY_ARTIFACT_DIR (the API does not say)."""
     if flag:
         return flag
+    store = env.get("HALFWAY_STORAGE_URL") or ""
+    if store.startswith("s3://"):
+        return f"{store.rstrip('/')}/artifacts"  # TensorBoard reads s3:// itself (boto3)
+    if store.startswith("file://"):
+        return f"{urlsplit(store).path.rstrip('/')}/artifacts"
     if env.get("HALFWAY_ARTIFACT_DIR"):
         return env["HALFWAY_ARTIFACT_DIR"]
     home = env.get("HALFWAY_HOME") or ".halfway"

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel
 
 from service import jobs
 from service.deps import JobId, PrincipalDep, SessionDep, SettingsDep
 from service.errors import NotFound
 from service.schemas import error_responses
+from service.storage import Store, open_storage
 
 router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
 
@@ -34,9 +34,9 @@ class ArtifactOut(BaseModel):
     url: str
 
 
-def job_dir(settings: Any, job_id: int) -> Path:
-    path: Path = settings.resolved_artifact_dir() / str(job_id)
-    return path
+def artifact_store(settings: Any) -> Store:
+    """The artifacts' store (HALFWAY_STORAGE_URL): files are read from it, local or S3."""
+    return open_storage(settings.storage_config()).artifacts
 
 
 @router.get("/{job_id}/artifacts", response_model=list[ArtifactOut], responses=ERRORS)
@@ -44,17 +44,13 @@ def list_artifacts(
     job_id: JobId, session: SessionDep, settings: SettingsDep, _: PrincipalDep
 ) -> list[ArtifactOut]:
     jobs.get_job(session, job_id)
-    folder = job_dir(settings, job_id)
+    store = artifact_store(settings)
     out = []
     for name in ARTIFACTS:
-        path = folder / name
-        if path.is_file():
+        size = store.size(f"{job_id}/{name}")
+        if size is not None:
             out.append(
-                ArtifactOut(
-                    name=name,
-                    bytes=path.stat().st_size,
-                    url=f"/v1/jobs/{job_id}/artifacts/{name}",
-                )
+                ArtifactOut(name=name, bytes=size, url=f"/v1/jobs/{job_id}/artifacts/{name}")
             )
     return out
 
@@ -70,10 +66,25 @@ def get_artifact(
     jobs.get_job(session, job_id)
     if name not in ARTIFACTS:
         raise NotFound(f"no artifact named {name!r}; artifacts are {', '.join(ARTIFACTS)}")
-    path = job_dir(settings, job_id) / name
-    if not path.is_file():
+    store, key = artifact_store(settings), f"{job_id}/{name}"
+    filename = f"job-{job_id}-{name}"
+    local = store.local_path(key)
+    if local is not None:
+        if not local.is_file():
+            raise NotFound(f"job {job_id} has no {name} (yet)")
+        return FileResponse(local, media_type=ARTIFACTS[name], filename=filename)
+    size = store.size(key)
+    if size is None:
         raise NotFound(f"job {job_id} has no {name} (yet)")
-    return FileResponse(path, media_type=ARTIFACTS[name], filename=f"job-{job_id}-{name}")
+    # Streamed from the store a chunk at a time: a model can be larger than the API's memory.
+    return StreamingResponse(
+        store.iter_bytes(key),
+        media_type=ARTIFACTS[name],
+        headers={
+            "Content-Length": str(size),
+            "Content-Disposition": f'attachment; filename="{filename}"',
+        },
+    )
 
 
 @router.get(
@@ -97,14 +108,12 @@ def get_logs(
     """The training log as text. ``X-Log-Offset`` is where to continue from, so a client
     follows the log by passing it back as ``offset``."""
     jobs.get_job(session, job_id)
-    path = job_dir(settings, job_id) / "train.log"
-    size = path.stat().st_size if path.is_file() else 0
+    store, key = artifact_store(settings), f"{job_id}/train.log"
+    size = store.size(key) or 0
     start = max(0, size - tail) if offset is None else min(offset, size)
     data = b""
     if size > start:
-        with open(path, "rb") as f:
-            f.seek(start)
-            data = f.read(min(size - start, MAX_CHUNK))
+        data = store.read_range(key, start, min(size - start, MAX_CHUNK))
     return Response(
         content=data,
         media_type="text/plain; charset=utf-8",

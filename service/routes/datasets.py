@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, File, Form, UploadFile
+from fastapi import APIRouter, File, Form, Response, UploadFile
+from fastapi import Path as PathParam
+from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel
 
 from service import datasets
 from service.deps import PrincipalDep, SettingsDep
+from service.errors import NotFound
 from service.schemas import ErrorOut, error_responses
+from service.storage import StorageError, check_key, open_storage
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
@@ -45,7 +49,7 @@ def upload_dataset(
         file.file,
         name=name,
         owner=principal.name,
-        data_dir=settings.resolved_data_dir(),
+        data=open_storage(settings.storage_config()).data,
         max_bytes=settings.max_upload_bytes,
     )
     return DatasetOut(
@@ -57,4 +61,48 @@ def upload_dataset(
 
 @router.get("", response_model=list[DatasetOut], responses=error_responses(401))
 def list_datasets(settings: SettingsDep, _: PrincipalDep) -> list[dict[str, Any]]:
-    return datasets.listing(settings.resolved_data_dir())
+    return datasets.listing(open_storage(settings.storage_config()).data)
+
+
+@router.get(
+    "/{path:path}",
+    response_class=Response,
+    responses={
+        200: {"content": {"application/octet-stream": {}}},
+        **error_responses(401, 404, 422),
+    },
+)
+def download_dataset(
+    path: Annotated[
+        str,
+        PathParam(
+            pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*\.npz$",
+            max_length=1000,
+            description="The dataset's path, as GET /v1/datasets lists it.",
+        ),
+    ],
+    settings: SettingsDep,
+    _: PrincipalDep,
+) -> Response:
+    """A dataset's .npz, as a spec names it (``uploads/alice/blobs.npz``), streamed out of the
+    data store."""
+    try:
+        key = check_key(path)
+    except StorageError:
+        raise NotFound(f"no dataset {path!r}") from None
+    store = open_storage(settings.storage_config()).data
+    size = store.size(key) if key.endswith(".npz") else None
+    if size is None:
+        raise NotFound(f"no dataset {path!r}")
+    filename = key.rsplit("/", 1)[-1]
+    local = store.local_path(key)
+    if local is not None:
+        return FileResponse(local, media_type="application/octet-stream", filename=filename)
+    return StreamingResponse(
+        store.iter_bytes(key),
+        media_type="application/octet-stream",
+        headers={
+            "Content-Length": str(size),
+            "Content-Disposition": f'attachment; filename="{filename}"',
+        },
+    )
