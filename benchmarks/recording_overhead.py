@@ -59,18 +59,14 @@ from service.settings import Settings
 from service.specs import normalize
 from workers import data as data_mod
 from workers.builders import build_model
+from workers.checkpointer import Checkpointer
+from workers.context import RunContext
+from workers.feed import EpochFeed, epoch_dataset
+from workers.guards import Guards
 from workers.protocol import Message
 from workers.recording import StepRecorder
-from workers.training import (
-    DEFAULT_STEPS_PER_EXECUTION,
-    Checkpointer,
-    EpochFeed,
-    Guards,
-    RunContext,
-    StepStream,
-    build_trainer,
-    epoch_dataset,
-)
+from workers.stream import StepStream
+from workers.training import DEFAULT_STEPS_PER_EXECUTION, build_trainer
 
 BATCH = 128
 TARGET_SAME_SPE = 1.03

@@ -11,8 +11,8 @@ import pytest
 
 from service.schemas import GuardsSpec
 from tests.training_runs import job_spec, run_job
+from workers.guards import Guards
 from workers.recording import Drained
-from workers.training import Guards
 
 pytestmark = pytest.mark.keras
 

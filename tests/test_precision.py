@@ -16,7 +16,8 @@ import tensorflow as tf
 from tests.training_runs import job_spec, run_job
 from workers.builders import precision_report
 from workers.cpu import CpuPrecision
-from workers.training import build_trainer, configure_graph_rewrite
+from workers.devices import configure_graph_rewrite
+from workers.training import build_trainer
 
 pytestmark = pytest.mark.keras
 
@@ -84,7 +85,7 @@ import json, sys, tempfile
 from pathlib import Path
 import tensorflow as tf
 from tests.training_runs import job_spec, run_job
-from workers.training import configure_graph_rewrite
+from workers.devices import configure_graph_rewrite
 
 tmp = Path(sys.argv[1])
 plain = run_job(job_spec(tmp, precision={"policy": "float32"}), tmp / "plain")

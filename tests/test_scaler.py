@@ -14,9 +14,10 @@ import tensorflow as tf
 
 from tests.reference import expected_scales
 from tests.training_runs import job_spec, run_job
+from workers.checkpointer import Checkpointer
 from workers.recording import Drained, StepRecorder
 from workers.scaler import HalfwayLossScaleOptimizer, make_scaler
-from workers.training import Built, Checkpointer, build_trainer, scaler_state
+from workers.training import Built, build_trainer, scaler_state
 
 pytestmark = pytest.mark.keras
 

@@ -140,7 +140,8 @@ def _train(spec: dict[str, Any], files: Any, *, stop_after: int | None, resume: 
     import threading
 
     from tests.training_runs import Run
-    from workers.training import RunContext, train
+    from workers.context import RunContext
+    from workers.training import train
 
     stop = threading.Event()
     run = Run(status=None, error=None)

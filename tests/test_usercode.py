@@ -21,8 +21,9 @@ from service.schemas import JobSpec
 from service.settings import Settings
 from service.specs import normalize
 from tests.training_runs import Run
+from workers.context import RunContext
 from workers.protocol import JobError, Message
-from workers.training import RunContext, train
+from workers.training import train
 
 pytestmark = pytest.mark.keras
 

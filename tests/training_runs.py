@@ -11,8 +11,9 @@ from typing import Any
 from service.schemas import JobSpec
 from service.settings import Settings
 from service.specs import normalize
+from workers.context import RunContext
 from workers.protocol import JobError, Message
-from workers.training import RunContext, train
+from workers.training import train
 
 Record = tuple[int, int, float, float, bool]
 

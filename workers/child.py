@@ -43,7 +43,8 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
     os.environ.update(device_env(gpu_ids))
     print(f"halfway: job {payload['job_id']} attempt {payload.get('attempt')} starting", flush=True)
     try:
-        from workers.training import RunContext, train
+        from workers.context import RunContext
+        from workers.training import train
 
         status = train(
             RunContext(

@@ -24,16 +24,10 @@ import numpy as np
 import tensorflow as tf
 
 from workers import data as data_mod
+from workers.context import RunContext
+from workers.feed import EpochFeed
 from workers.protocol import JobError
-from workers.training import (
-    Built,
-    EpochFeed,
-    Plan,
-    RunContext,
-    compile_trainer,
-    executions,
-    save_keras,
-)
+from workers.training import Built, Plan, compile_trainer, executions, save_keras
 
 KEYS = ("model", "train", "validation", "loss", "metrics", "optimizer", "callbacks")
 
