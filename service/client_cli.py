@@ -7,7 +7,7 @@ Commands (each also takes ``--url`` and ``--token``)::
     halfway submit SPEC.yaml|SPEC.json|- [--watch] [--dry-run] [--idempotency-key K]
     halfway jobs [--status S] [--owner O] [--limit N] [--cursor C]
     halfway show ID [--json]
-    halfway history ID [--after-step N] [--limit N] | --csv | --points P
+    halfway history ID [--after-step N] [--limit N] | --csv | --points P | --arrow F | --parquet F
     halfway cancel ID
     halfway logs ID [--follow]
     halfway tensorboard ID [--artifact-dir DIR]
@@ -927,6 +927,24 @@ def stream_csv(client: HalfwayClient, job_id: int) -> None:
     out.flush()
 
 
+def download(client: HalfwayClient, path: str, file: Path) -> int:
+    """Stream ``path`` into ``file``; the bytes written. The download goes to a temporary file
+    beside it, renamed at the end, so a failed one never leaves half a file under the name."""
+    partial = file.with_name(f".{file.name}.partial")
+    written = 0
+    try:
+        with client.stream(path) as response, partial.open("wb") as out:
+            for chunk in response.iter_bytes():
+                out.write(chunk)
+                written += len(chunk)
+        partial.replace(file)
+    except OSError as exc:
+        raise CliError(f"cannot write {file}: {exc.strerror or exc}", ExitCode.USAGE) from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return written
+
+
 # --------------------------------------------------------------------------------------------
 # logs
 
@@ -1138,6 +1156,16 @@ def history(
     as_csv: Annotated[
         bool, typer.Option("--csv", help="Every row as CSV (streamed) to stdout.")
     ] = False,
+    arrow: Annotated[
+        Path | None,
+        typer.Option(
+            "--arrow", help="Write every row to this file as an Arrow IPC stream.", dir_okay=False
+        ),
+    ] = None,
+    parquet: Annotated[
+        Path | None,
+        typer.Option("--parquet", help="Write every row to this Parquet file.", dir_okay=False),
+    ] = None,
     points: Annotated[
         int | None,
         typer.Option(
@@ -1159,17 +1187,34 @@ def history(
     token: TokenOption = None,
 ) -> None:
     """A job's per-step history: loss, loss scale and overflows."""
-    if as_csv and points is not None:
-        raise CliError("choose one of --csv and --points", ExitCode.USAGE)
-    if (as_csv or points is not None) and (after_step is not None or limit is not None):
+    chosen = [
+        name
+        for name, given in (
+            ("--csv", as_csv),
+            ("--points", points is not None),
+            ("--arrow", arrow is not None),
+            ("--parquet", parquet is not None),
+        )
+        if given
+    ]
+    if len(chosen) > 1:
+        raise CliError(f"choose one of {' and '.join(chosen)}", ExitCode.USAGE)
+    if chosen and (after_step is not None or limit is not None):
         raise CliError(
-            "--after-step and --limit page raw rows; not with --csv or --points", ExitCode.USAGE
+            f"--after-step and --limit page raw rows; not with {chosen[0]}", ExitCode.USAGE
         )
     ui = Ui.create()
     with connect(url, token) as client:
         if as_csv:
             stream_csv(client, job_id)
             return
+        for file, suffix in ((arrow, "arrow"), (parquet, "parquet")):
+            if file is not None:
+                size = download(client, f"/v1/jobs/{job_id}/history.{suffix}", file)
+                ui.out.print(
+                    f"Wrote job {job_id}'s history to {escape(str(file))} ({size:,} bytes)."
+                )
+                return
         if points is not None:
             page = client.history(job_id, {"points": points})
             if not page["buckets"]:
