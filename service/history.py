@@ -27,6 +27,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from service import ingest
 from service.models import Job, ScaleEvent, Step, StepRollup, float32
 
 
@@ -147,7 +148,22 @@ def write_steps(
     """
     if not records:
         return
-    job_id = job.id
+    if ingest.appends(session, job, records):
+        events = ingest.append_pg(session, job, records)
+    else:
+        events = _rewrite_steps(session, job.id, records)
+    _fold_into_summary(job, records, events)
+    if steps_per_second is not None:
+        job.steps_per_second = steps_per_second
+    job.updated_at = now
+    session.flush()
+
+
+def _rewrite_steps(
+    session: Session, job_id: int, records: Sequence[StepRecord]
+) -> list[dict[str, Any]]:
+    """The general write: upserts whatever is stored already, and recomputes the rollups of
+    the range from the stored rows. Returns the batch's scale events."""
     first = records[0].step
     previous = session.scalar(
         select(Step.loss_scale).where(Step.job_id == job_id, Step.step == first - 1)
@@ -169,7 +185,13 @@ def write_steps(
         [{"job_id": job_id, **e} for e in events],
         ["job_id", "step"],
     )
+    return events
 
+
+def _fold_into_summary(
+    job: Job, records: Sequence[StepRecord], events: list[dict[str, Any]]
+) -> None:
+    """Counters count only steps past the summary's ``last_step``: a rewrite changes none."""
     seen = job.last_step if job.last_step is not None else -1
     fresh = [r for r in records if r.step > seen]
     fresh_events = [e for e in events if e["step"] > seen]
@@ -187,10 +209,14 @@ def write_steps(
         job.nonfinite_loss_count += sum(1 for r in fresh if not math.isfinite(r.loss))
         job.growth_count += sum(1 for e in fresh_events if e["reason"] == "growth")
         job.backoff_count += sum(1 for e in fresh_events if e["reason"] == "overflow")
-    if steps_per_second is not None:
-        job.steps_per_second = steps_per_second
-    job.updated_at = now
-    session.flush()
+
+
+def relax_commit(session: Session) -> None:
+    """Let this transaction's commit return before its WAL reaches the disk (PostgreSQL;
+    SQLite in WAL mode with synchronous=NORMAL already does). A crash of the database may
+    then lose it, never corrupt anything: the caller must be able to write it again."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SET LOCAL synchronous_commit TO OFF"))
 
 
 def truncate_after(session: Session, job: Job, step: int) -> None:
