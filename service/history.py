@@ -148,14 +148,17 @@ def write_steps(
     """
     if not records:
         return
-    if ingest.appends(session, job, records):
-        events = ingest.append_pg(session, job, records)
-    else:
-        events = _rewrite_steps(session, job.id, records)
-    _fold_into_summary(job, records, events)
+    touched: dict[str, Any] = {"updated_at": now}
     if steps_per_second is not None:
-        job.steps_per_second = steps_per_second
-    job.updated_at = now
+        touched["steps_per_second"] = steps_per_second
+    if ingest.appends(session, job, records):
+        events = scale_events(records, ingest.previous_scale(job, records[0].step))
+        summary = _summary_after(job, records, events) | touched
+        if ingest.append_pg(session, job, records, events, summary):
+            return
+    events = _rewrite_steps(session, job.id, records)
+    for name, value in (_summary_after(job, records, events) | touched).items():
+        setattr(job, name, value)
     session.flush()
 
 
@@ -188,27 +191,35 @@ def _rewrite_steps(
     return events
 
 
-def _fold_into_summary(
+def _summary_after(
     job: Job, records: Sequence[StepRecord], events: list[dict[str, Any]]
-) -> None:
-    """Counters count only steps past the summary's ``last_step``: a rewrite changes none."""
+) -> dict[str, Any]:
+    """The summary's new values once ``records`` are written. Counters count only steps past
+    the summary's ``last_step``: a rewrite changes none."""
     seen = job.last_step if job.last_step is not None else -1
     fresh = [r for r in records if r.step > seen]
+    if not fresh:
+        return {}
     fresh_events = [e for e in events if e["step"] > seen]
-    if fresh:
-        last = fresh[-1]
-        job.last_step = last.step
-        job.epoch = last.epoch
-        job.last_loss = last.loss
-        job.loss_scale = last.loss_scale
-        batch_min = min(r.loss_scale for r in fresh)
-        job.min_loss_scale = (
+    last = fresh[-1]
+    batch_min = min(r.loss_scale for r in fresh)
+    return {
+        "last_step": last.step,
+        "epoch": last.epoch,
+        "last_loss": last.loss,
+        "loss_scale": last.loss_scale,
+        "min_loss_scale": (
             batch_min if job.min_loss_scale is None else min(job.min_loss_scale, batch_min)
-        )
-        job.overflow_count += sum(1 for r in fresh if not r.finite)
-        job.nonfinite_loss_count += sum(1 for r in fresh if not math.isfinite(r.loss))
-        job.growth_count += sum(1 for e in fresh_events if e["reason"] == "growth")
-        job.backoff_count += sum(1 for e in fresh_events if e["reason"] == "overflow")
+        ),
+        "overflow_count": job.overflow_count + sum(1 for r in fresh if not r.finite),
+        "nonfinite_loss_count": (
+            job.nonfinite_loss_count + sum(1 for r in fresh if not math.isfinite(r.loss))
+        ),
+        "growth_count": job.growth_count + sum(1 for e in fresh_events if e["reason"] == "growth"),
+        "backoff_count": (
+            job.backoff_count + sum(1 for e in fresh_events if e["reason"] == "overflow")
+        ),
+    }
 
 
 def relax_commit(session: Session) -> None:

@@ -7,25 +7,29 @@ lease renewal that precedes the write holds the job's row locked, so no other wr
 job can slip in. That lets the write skip what a general upsert needs:
 
 - the scale of the step before the batch is the summary's ``loss_scale`` (no query);
-- the rows go in by binary COPY without a savepoint (there is no conflict to recover from);
 - the rollups need not be recomputed from the stored rows: the batch's rows are all new, so
-  each block's summary is the stored one merged with the batch's, at all three levels, in one
-  statement that also inserts the batch's scale events.
+  each block's summary is the stored one merged with the batch's, at all three levels;
+- the rows, the merged rollups, the scale events and the job's summary go in one statement,
+  one round trip, its arrays built by numpy in PostgreSQL's binary format (no Python object
+  per value on the way out).
 
-Everything else (a resent batch, a partly written one, SQLite) takes the general path in
-``history.write_steps``, which recomputes from the rows and is idempotent.
+Should a row be stored already after all, the statement stores only the new rows and
+changes nothing else, and the caller takes the general path in ``history.write_steps``,
+which recomputes from the rows and is idempotent.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import psycopg
-from sqlalchemy import REAL, Integer, String, bindparam, text
-from sqlalchemy.dialects import postgresql
+from psycopg.adapt import Dumper
+from sqlalchemy.orm.attributes import set_committed_value
 
 from service.models import Job, float32
 
@@ -38,8 +42,6 @@ if TYPE_CHECKING:
 # free of an import cycle, and checked equal by the tests).
 LEVEL_BLOCKS = (64, 4096, 262144)
 FLOAT32_MAX = 3.4028234663852886e38
-
-_COPY_STEPS = "COPY step (job_id, step, epoch, loss, loss_scale, finite) FROM STDIN (FORMAT BINARY)"
 
 _MERGE_COLUMNS = (
     "level",
@@ -56,48 +58,121 @@ _MERGE_COLUMNS = (
     "overflow_count",
     "nonfinite_loss_count",
 )
-_INT_COLUMNS = {"level", "block", "first_step", "last_step", "count", "overflow_count"}
-_INT_COLUMNS |= {"nonfinite_loss_count"}
+_FLOAT_COLUMNS = {"loss_min", "loss_max", "loss_last", "scale_min", "scale_max", "scale_last"}
+_SUMMARY_COLUMNS = (
+    "last_step",
+    "epoch",
+    "last_loss",
+    "loss_scale",
+    "min_loss_scale",
+    "overflow_count",
+    "nonfinite_loss_count",
+    "growth_count",
+    "backoff_count",
+    "steps_per_second",
+    "updated_at",
+)
 
-# In DO UPDATE, ``r`` is the stored row before this statement; LEAST and GREATEST skip NULLs
-# (a block with no finite loss yet). NULL in loss_last is a NaN loss (NanAsNullReal).
-_MERGE_PG = text(
-    f"""
-    WITH events AS (
+# Floats travel as float4 arrays with NaN for NULL (NULLIF maps it back: PostgreSQL holds
+# NaN equal to NaN), so every array is fixed-width. Every part after ``steps`` runs only when
+# ``steps`` stored the whole batch. In DO UPDATE, ``r`` is the stored row before this
+# statement; LEAST and GREATEST skip NULLs (a block with no finite loss yet).
+_APPEND_PG = f"""
+    WITH steps AS (
+        INSERT INTO step (job_id, step, epoch, loss, loss_scale, finite)
+        SELECT %(job_id)s, t.step, t.epoch, NULLIF(t.loss, 'NaN'::real), t.loss_scale, t.finite
+        FROM unnest(%(step)b, %(epoch)b, %(loss)b, %(loss_scale)b, %(finite)b)
+             AS t(step, epoch, loss, loss_scale, finite)
+        ON CONFLICT (job_id, step) DO NOTHING
+        RETURNING 1
+    ), whole AS (
+        SELECT count(*) = %(rows)s AS ok FROM steps
+    ), events AS (
         INSERT INTO scale_event (job_id, step, old_scale, new_scale, reason)
-        SELECT :job_id, e.step, e.old_scale, e.new_scale, e.reason
-        FROM unnest(:ev_step, :ev_old, :ev_new, :ev_reason) AS e(step, old_scale, new_scale, reason)
+        SELECT %(job_id)s, e.step, e.old_scale, e.new_scale,
+               CASE WHEN e.growth THEN 'growth' ELSE 'overflow' END
+        FROM unnest(%(ev_step)b, %(ev_old)b, %(ev_new)b, %(ev_growth)b)
+             AS e(step, old_scale, new_scale, growth), whole
+        WHERE whole.ok
         ON CONFLICT (job_id, step) DO UPDATE SET old_scale = excluded.old_scale,
             new_scale = excluded.new_scale, reason = excluded.reason
+    ), rollups AS (
+        INSERT INTO step_rollup AS r (job_id, {", ".join(_MERGE_COLUMNS)})
+        SELECT %(job_id)s, {
+    ", ".join(
+        f"NULLIF(b.{c}, 'NaN'::real)" if c in _FLOAT_COLUMNS else f"b.{c}" for c in _MERGE_COLUMNS
     )
-    INSERT INTO step_rollup AS r (job_id, {", ".join(_MERGE_COLUMNS)})
-    SELECT :job_id, b.*
-    FROM unnest({", ".join(f":{c}" for c in _MERGE_COLUMNS)}) AS b({", ".join(_MERGE_COLUMNS)})
-    ON CONFLICT (job_id, level, block) DO UPDATE SET
-        first_step = LEAST(r.first_step, excluded.first_step),
-        last_step = GREATEST(r.last_step, excluded.last_step),
-        count = r.count + excluded.count,
-        loss_min = LEAST(r.loss_min, excluded.loss_min),
-        loss_max = GREATEST(r.loss_max, excluded.loss_max),
-        loss_last = CASE WHEN excluded.last_step > r.last_step
-                         THEN excluded.loss_last ELSE r.loss_last END,
-        scale_min = LEAST(r.scale_min, excluded.scale_min),
-        scale_max = GREATEST(r.scale_max, excluded.scale_max),
-        scale_last = CASE WHEN excluded.last_step > r.last_step
-                          THEN excluded.scale_last ELSE r.scale_last END,
-        overflow_count = r.overflow_count + excluded.overflow_count,
-        nonfinite_loss_count = r.nonfinite_loss_count + excluded.nonfinite_loss_count
-    """
-).bindparams(
-    bindparam("ev_step", type_=postgresql.ARRAY(Integer)),
-    bindparam("ev_old", type_=postgresql.ARRAY(REAL)),
-    bindparam("ev_new", type_=postgresql.ARRAY(REAL)),
-    bindparam("ev_reason", type_=postgresql.ARRAY(String)),
-    *(
-        bindparam(c, type_=postgresql.ARRAY(Integer if c in _INT_COLUMNS else REAL))
-        for c in _MERGE_COLUMNS
-    ),
-)
+}
+        FROM unnest({", ".join(f"%(r_{c})b" for c in _MERGE_COLUMNS)})
+             AS b({", ".join(_MERGE_COLUMNS)}), whole
+        WHERE whole.ok
+        ON CONFLICT (job_id, level, block) DO UPDATE SET
+            first_step = LEAST(r.first_step, excluded.first_step),
+            last_step = GREATEST(r.last_step, excluded.last_step),
+            count = r.count + excluded.count,
+            loss_min = LEAST(r.loss_min, excluded.loss_min),
+            loss_max = GREATEST(r.loss_max, excluded.loss_max),
+            loss_last = CASE WHEN excluded.last_step > r.last_step
+                             THEN excluded.loss_last ELSE r.loss_last END,
+            scale_min = LEAST(r.scale_min, excluded.scale_min),
+            scale_max = GREATEST(r.scale_max, excluded.scale_max),
+            scale_last = CASE WHEN excluded.last_step > r.last_step
+                              THEN excluded.scale_last ELSE r.scale_last END,
+            overflow_count = r.overflow_count + excluded.overflow_count,
+            nonfinite_loss_count = r.nonfinite_loss_count + excluded.nonfinite_loss_count
+    )
+    UPDATE job SET {", ".join(f"{c} = %(j_{c})s" for c in _SUMMARY_COLUMNS)}
+    FROM whole WHERE job.id = %(job_id)s AND whole.ok
+    RETURNING 1
+"""
+
+
+class _BinaryArray(Dumper):
+    """Sends a ready-made binary array (``_array``) as it is."""
+
+    format = psycopg.pq.Format.BINARY
+
+    def dump(self, obj: Any) -> bytes:
+        return bytes(obj)
+
+
+class _Int4Array(bytes):
+    pass
+
+
+class _Float4Array(bytes):
+    pass
+
+
+class _BoolArray(bytes):
+    pass
+
+
+_ARRAY_TYPES: dict[str, tuple[type[bytes], str]] = {
+    "int4": (_Int4Array, ">i4"),
+    "float4": (_Float4Array, ">f4"),
+    "bool": (_BoolArray, "u1"),
+}
+_DUMPERS: list[tuple[type[bytes], type[Dumper]]] = []
+for _name, (_cls, _) in _ARRAY_TYPES.items():
+    _info = psycopg.postgres.types.get(_name)
+    assert _info is not None
+    _DUMPERS.append((_cls, type(f"_{_name}ArrayDumper", (_BinaryArray,), {"oid": _info.array_oid})))
+
+
+def _array(kind: str, values: Any) -> bytes:
+    """A one-dimensional array without NULLs in PostgreSQL's binary format: dimensions, null
+    flag, element type, then length and lower bound, then each element's size and value."""
+    cls, element = _ARRAY_TYPES[kind]
+    info = psycopg.postgres.types.get(kind)
+    assert info is not None
+    data = np.asarray(values)
+    if len(data) == 0:
+        return cls(struct.pack(">iii", 0, 0, info.oid))
+    items = np.empty(len(data), [("size", ">i4"), ("value", element)])
+    items["size"] = np.dtype(element).itemsize
+    items["value"] = data
+    return cls(struct.pack(">iiiii", 1, 0, info.oid, len(data), 1) + items.tobytes())
 
 
 def appends(session: Session, job: Job, records: Sequence[StepRecord]) -> bool:
@@ -108,10 +183,6 @@ def appends(session: Session, job: Job, records: Sequence[StepRecord]) -> bool:
         return False
     steps = [r.step for r in records]
     return all(a < b for a, b in itertools.pairwise(steps))
-
-
-def _nan_as_null(value: float) -> float | None:
-    return None if math.isnan(value) else value
 
 
 def _block_summaries(records: Sequence[StepRecord]) -> dict[str, list[Any]]:
@@ -171,35 +242,57 @@ def _block_summaries(records: Sequence[StepRecord]) -> dict[str, list[Any]]:
         rows += [(level, *m) for m in merged.values()]
     transposed = zip(*rows, strict=True)
     columns = {name: list(values) for name, values in zip(_MERGE_COLUMNS, transposed, strict=True)}
-    columns["loss_last"] = [_nan_as_null(v) for v in columns["loss_last"]]
     return columns
 
 
-def append_pg(session: Session, job: Job, records: Sequence[StepRecord]) -> list[dict[str, Any]]:
-    """Write an appending batch (``appends`` said yes); the scale events it holds."""
-    from service.history import scale_events
+def previous_scale(job: Job, first: int) -> float | None:
+    """The scale of step ``first - 1`` on the append path: the summary's (as the step table
+    holds it, a float32), or None when that step was never written."""
+    if job.last_step is None or job.last_step != first - 1 or job.loss_scale is None:
+        return None
+    return float32(job.loss_scale)
 
-    job_id = job.id
-    first = records[0].step
-    previous = (
-        float32(job.loss_scale)
-        if job.last_step is not None and job.last_step == first - 1 and job.loss_scale is not None
-        else None
-    )
+
+def append_pg(
+    session: Session,
+    job: Job,
+    records: Sequence[StepRecord],
+    events: list[dict[str, Any]],
+    summary: dict[str, Any],
+) -> bool:
+    """Write an appending batch (``appends`` said yes) with its scale events and the job's
+    new ``summary`` (column values). False if a row was stored already: then only the new
+    rows were written, and the caller must take the general path."""
+    values = np.array(records, dtype=np.float64).reshape(len(records), 5)
+    params: dict[str, Any] = {
+        "job_id": job.id,
+        "rows": len(records),
+        "step": _array("int4", values[:, 0]),
+        "epoch": _array("int4", values[:, 1]),
+        "loss": _array("float4", values[:, 2]),
+        "loss_scale": _array("float4", values[:, 3]),
+        "finite": _array("bool", values[:, 4] != 0),
+        "ev_step": _array("int4", [e["step"] for e in events]),
+        "ev_old": _array("float4", [e["old_scale"] for e in events]),
+        "ev_new": _array("float4", [e["new_scale"] for e in events]),
+        "ev_growth": _array("bool", [e["reason"] == "growth" for e in events]),
+    }
+    for name, column in _block_summaries(records).items():
+        if name in _FLOAT_COLUMNS:
+            params[f"r_{name}"] = _array("float4", [math.nan if v is None else v for v in column])
+        else:
+            params[f"r_{name}"] = _array("int4", column)
+    params |= {f"j_{c}": summary.get(c, getattr(job, c)) for c in _SUMMARY_COLUMNS}
+    if params["j_last_loss"] is not None and math.isnan(params["j_last_loss"]):
+        params["j_last_loss"] = None  # NanAsNullReal
     raw = session.connection().connection.driver_connection
     assert isinstance(raw, psycopg.Connection)
-    with raw.cursor() as cursor, cursor.copy(_COPY_STEPS) as copy:
-        copy.set_types(["int4", "int4", "int4", "float4", "float4", "bool"])
-        for r in records:
-            copy.write_row((job_id, r.step, r.epoch, _nan_as_null(r.loss), r.loss_scale, r.finite))
-    events = scale_events(records, previous)
-    params: dict[str, Any] = {
-        "job_id": job_id,
-        "ev_step": [e["step"] for e in events],
-        "ev_old": [e["old_scale"] for e in events],
-        "ev_new": [e["new_scale"] for e in events],
-        "ev_reason": [e["reason"] for e in events],
-    }
-    params.update(_block_summaries(records))
-    session.execute(_MERGE_PG, params)
-    return events
+    with raw.cursor() as cursor:
+        for cls, dumper in _DUMPERS:
+            cursor.adapters.register_dumper(cls, dumper)
+        cursor.execute(_APPEND_PG, params)
+        whole = cursor.fetchone() is not None
+    if whole:  # the row holds these values now; the session must not write them again
+        for name, value in summary.items():
+            set_committed_value(job, name, value)
+    return whole

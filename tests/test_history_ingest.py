@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, func, select
 
 from service import history, ingest, jobs
 from service.db import Database
@@ -60,7 +60,7 @@ def rollups(db: Database, job_id: int) -> list[tuple[Any, ...]]:
 def recomputed(db: Database, job_id: int, lo: int, hi: int) -> list[tuple[Any, ...]]:
     """The rollups as the general path computes them from the stored rows (rolled back)."""
     with db.write_sessions() as s, s.begin():
-        s.execute(StepRollup.__table__.delete().where(StepRollup.job_id == job_id))
+        s.execute(delete(StepRollup).where(StepRollup.job_id == job_id))
         history.refresh_rollups(s, job_id, lo, hi)
         s.flush()
         out = _rollup_rows(s, job_id)
@@ -131,6 +131,16 @@ def test_appended_batches_leave_every_rollup_level_as_a_recomputation_would(
     records = synthetic_history(9000, seed=11, start=262144 - 4500)
     write(db, job_id, records, batch=333)
     assert rollups(db, job_id) == recomputed(db, job_id, records[0].step, records[-1].step)
+    with db.read() as s:  # NaN is stored as NULL, +/-inf as themselves, on every path
+        null_losses = s.scalar(
+            select(func.count()).where(Step.job_id == job_id, Step.loss.is_(None))
+        )
+        infinite = s.scalars(
+            select(Step.loss).where(Step.job_id == job_id, Step.loss.in_([math.inf, -math.inf]))
+        ).all()
+    assert null_losses == sum(1 for r in records if math.isnan(r.loss)) > 0
+    assert sorted(infinite) == sorted(r.loss for r in records if math.isinf(r.loss))
+    assert len(infinite) > 0
     assert events(db, job_id) == expected_events(records)
     assert summary(db, job_id) == expected_summary(records)
 
@@ -225,3 +235,19 @@ def test_every_few_flushes_one_waits_for_the_disk_and_forgets_the_kept_rows(
     assert supervisor._sync(run)
     assert run.unsynced == [] and run.relaxed_flushes == 0
     assert stored_steps(db, job_id) == list(range(len(records) + 20))
+
+
+def test_an_appending_batch_that_meets_a_stored_row_after_all_is_written_exactly(
+    api: Api, db: Database
+) -> None:
+    job_id = submit(api)
+    records = synthetic_history(2000, seed=17)
+    write(db, job_id, records[:1000])
+    stray = records[1005]  # stored behind the summary's back (its own values)
+    with db.write() as s:
+        s.add(Step(job_id=job_id, **stray._asdict()))
+    write(db, job_id, records[1000:], batch=333)
+    assert stored_steps(db, job_id) == list(range(2000))
+    assert rollups(db, job_id) == recomputed(db, job_id, 0, 1999)
+    assert events(db, job_id) == expected_events(records)
+    assert summary(db, job_id) == expected_summary(records)
