@@ -77,8 +77,11 @@ _SUMMARY_COLUMNS = (
 # NaN equal to NaN), so every array is fixed-width. Every part after ``steps`` runs only when
 # ``steps`` stored the whole batch. In DO UPDATE, ``r`` is the stored row before this
 # statement; LEAST and GREATEST skip NULLs (a block with no finite loss yet).
-_APPEND_PG = f"""
-    WITH steps AS (
+_MERGE_VALUES = ", ".join(
+    f"NULLIF(b.{c}, 'NaN'::real)" if c in _FLOAT_COLUMNS else f"b.{c}" for c in _MERGE_COLUMNS
+)
+_ROWS_PG = """
+    steps AS (
         INSERT INTO step (job_id, step, epoch, loss, loss_scale, finite)
         SELECT %(job_id)s, t.step, t.epoch, NULLIF(t.loss, 'NaN'::real), t.loss_scale, t.finite
         FROM unnest(%(step)b, %(epoch)b, %(loss)b, %(loss_scale)b, %(finite)b)
@@ -87,7 +90,10 @@ _APPEND_PG = f"""
         RETURNING 1
     ), whole AS (
         SELECT count(*) = %(rows)s AS ok FROM steps
-    ), events AS (
+    ),
+"""
+_SUMMARIES_PG = f"""
+    events AS (
         INSERT INTO scale_event (job_id, step, old_scale, new_scale, reason)
         SELECT %(job_id)s, e.step, e.old_scale, e.new_scale,
                CASE WHEN e.growth THEN 'growth' ELSE 'overflow' END
@@ -98,11 +104,7 @@ _APPEND_PG = f"""
             new_scale = excluded.new_scale, reason = excluded.reason
     ), rollups AS (
         INSERT INTO step_rollup AS r (job_id, {", ".join(_MERGE_COLUMNS)})
-        SELECT %(job_id)s, {
-    ", ".join(
-        f"NULLIF(b.{c}, 'NaN'::real)" if c in _FLOAT_COLUMNS else f"b.{c}" for c in _MERGE_COLUMNS
-    )
-}
+        SELECT %(job_id)s, {_MERGE_VALUES}
         FROM unnest({", ".join(f"%(r_{c})b" for c in _MERGE_COLUMNS)})
              AS b({", ".join(_MERGE_COLUMNS)}), whole
         WHERE whole.ok
@@ -125,6 +127,69 @@ _APPEND_PG = f"""
     FROM whole WHERE job.id = %(job_id)s AND whole.ok
     RETURNING 1
 """
+
+
+# The rows and everything else in one statement; or everything else, for a batch that went in
+# by COPY (``COPY_ROWS``).
+_APPEND_PG = "WITH" + _ROWS_PG + _SUMMARIES_PG
+_MERGE_PG = "WITH whole AS (SELECT true AS ok)," + _SUMMARIES_PG
+_COPY_STEPS = "COPY step (job_id, step, epoch, loss, loss_scale, finite) FROM STDIN (FORMAT BINARY)"
+# From this many rows a batch goes in by binary COPY (PostgreSQL's multi-row insert) in a
+# savepoint, before the statement: three more round trips, less work per row (at 10,000 rows
+# 1.6x the steps/s of the INSERT; at 333 the two were within noise of each other).
+COPY_ROWS = 1000
+
+# A binary COPY row of the step table: a field count, then each field's length and value
+# (big-endian). A NaN loss is a NULL (length -1, no value), so such a row is 4 bytes shorter.
+_COPY_ROW = np.dtype(
+    [
+        ("fields", ">i2"),
+        ("job_id_size", ">i4"),
+        ("job_id", ">i4"),
+        ("step_size", ">i4"),
+        ("step", ">i4"),
+        ("epoch_size", ">i4"),
+        ("epoch", ">i4"),
+        ("loss_size", ">i4"),
+        ("loss", ">f4"),
+        ("scale_size", ">i4"),
+        ("scale", ">f4"),
+        ("finite_size", ">i4"),
+        ("finite", "u1"),
+    ]
+)
+_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
+_COPY_TRAILER = struct.pack(">h", -1)
+_LOSS_VALUE = 2 + 3 * 8 + 4  # the loss's value: after the count, three fields and its size
+_AFTER_LOSS = _LOSS_VALUE + 4
+
+
+def _copy_payload(job_id: int, values: Any) -> bytes:
+    """The batch (an n x 5 array: step, epoch, loss, scale, finite) in COPY's binary format,
+    built in a few array operations rather than a Python call per row."""
+    rows = np.zeros(len(values), _COPY_ROW)
+    rows["fields"] = 6
+    for name in ("job_id", "step", "epoch", "loss", "scale"):
+        rows[f"{name}_size"] = 4
+    rows["finite_size"] = 1
+    rows["job_id"] = job_id
+    rows["step"] = values[:, 0]
+    rows["epoch"] = values[:, 1]
+    rows["loss"] = values[:, 2]
+    rows["scale"] = values[:, 3]
+    rows["finite"] = values[:, 4] != 0
+    nan = np.flatnonzero(np.isnan(values[:, 2])).tolist()
+    if not nan:
+        return _COPY_HEADER + rows.tobytes() + _COPY_TRAILER
+    rows["loss_size"][nan] = -1
+    parts, start = [_COPY_HEADER], 0
+    for i in nan:
+        parts.append(rows[start:i].tobytes())
+        row = rows[i : i + 1].tobytes()
+        parts.append(row[:_LOSS_VALUE] + row[_AFTER_LOSS:])  # a NULL has no value
+        start = i + 1
+    parts += [rows[start:].tobytes(), _COPY_TRAILER]
+    return b"".join(parts)
 
 
 class _BinaryArray(Dumper):
@@ -264,14 +329,18 @@ def append_pg(
     new ``summary`` (column values). False if a row was stored already: then only the new
     rows were written, and the caller must take the general path."""
     values = np.array(records, dtype=np.float64).reshape(len(records), 5)
-    params: dict[str, Any] = {
-        "job_id": job.id,
-        "rows": len(records),
-        "step": _array("int4", values[:, 0]),
-        "epoch": _array("int4", values[:, 1]),
-        "loss": _array("float4", values[:, 2]),
-        "loss_scale": _array("float4", values[:, 3]),
-        "finite": _array("bool", values[:, 4] != 0),
+    copied = len(records) >= COPY_ROWS
+    params: dict[str, Any] = {"job_id": job.id}
+    if not copied:
+        params |= {
+            "rows": len(records),
+            "step": _array("int4", values[:, 0]),
+            "epoch": _array("int4", values[:, 1]),
+            "loss": _array("float4", values[:, 2]),
+            "loss_scale": _array("float4", values[:, 3]),
+            "finite": _array("bool", values[:, 4] != 0),
+        }
+    params |= {
         "ev_step": _array("int4", [e["step"] for e in events]),
         "ev_old": _array("float4", [e["old_scale"] for e in events]),
         "ev_new": _array("float4", [e["new_scale"] for e in events]),
@@ -288,9 +357,15 @@ def append_pg(
     raw = session.connection().connection.driver_connection
     assert isinstance(raw, psycopg.Connection)
     with raw.cursor() as cursor:
+        if copied:
+            try:
+                with raw.transaction(), cursor.copy(_COPY_STEPS) as copy:
+                    copy.write(_copy_payload(job.id, values))
+            except psycopg.errors.UniqueViolation:
+                return False  # the savepoint is rolled back: nothing of the batch is stored
         for cls, dumper in _DUMPERS:
             cursor.adapters.register_dumper(cls, dumper)
-        cursor.execute(_APPEND_PG, params)
+        cursor.execute(_MERGE_PG if copied else _APPEND_PG, params)
         whole = cursor.fetchone() is not None
     if whole:  # the row holds these values now; the session must not write them again
         for name, value in summary.items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 from sqlalchemy import delete, func, select
 
 from service import history, ingest, jobs
@@ -129,7 +130,8 @@ def test_appended_batches_leave_every_rollup_level_as_a_recomputation_would(
     job_id = submit(api)
     # Across a level-2 block edge (262144), in batches that straddle every level's edges.
     records = synthetic_history(9000, seed=11, start=262144 - 4500)
-    write(db, job_id, records, batch=333)
+    write(db, job_id, records[:4500], batch=333)
+    write(db, job_id, records[4500:], batch=ingest.COPY_ROWS + 1)  # rows by COPY
     assert rollups(db, job_id) == recomputed(db, job_id, records[0].step, records[-1].step)
     with db.read() as s:  # NaN is stored as NULL, +/-inf as themselves, on every path
         null_losses = s.scalar(
@@ -237,8 +239,9 @@ def test_every_few_flushes_one_waits_for_the_disk_and_forgets_the_kept_rows(
     assert stored_steps(db, job_id) == list(range(len(records) + 20))
 
 
+@pytest.mark.parametrize("batch", [333, ingest.COPY_ROWS])
 def test_an_appending_batch_that_meets_a_stored_row_after_all_is_written_exactly(
-    api: Api, db: Database
+    api: Api, db: Database, batch: int
 ) -> None:
     job_id = submit(api)
     records = synthetic_history(2000, seed=17)
@@ -246,7 +249,7 @@ def test_an_appending_batch_that_meets_a_stored_row_after_all_is_written_exactly
     stray = records[1005]  # stored behind the summary's back (its own values)
     with db.write() as s:
         s.add(Step(job_id=job_id, **stray._asdict()))
-    write(db, job_id, records[1000:], batch=333)
+    write(db, job_id, records[1000:], batch=batch)
     assert stored_steps(db, job_id) == list(range(2000))
     assert rollups(db, job_id) == recomputed(db, job_id, 0, 1999)
     assert events(db, job_id) == expected_events(records)
