@@ -139,12 +139,14 @@ def write_steps(
     *,
     now: datetime,
     steps_per_second: float | None = None,
+    durable: bool = True,
 ) -> None:
     """Upsert a batch of step records (in step order) and fold them into the job's summary.
 
     A batch may be written twice (a commit whose acknowledgement was lost, a retry): the rows
     are upserts and the counters only count steps past the summary's ``last_step``, so a
-    rewrite changes nothing.
+    rewrite changes nothing. ``durable=False``: the transaction's commit need not wait for
+    the disk (``relax_commit``); the caller must be able to write the batch again.
     """
     if not records:
         return
@@ -154,8 +156,10 @@ def write_steps(
     if ingest.appends(session, job, records):
         events = scale_events(records, ingest.previous_scale(job, records[0].step))
         summary = _summary_after(job, records, events) | touched
-        if ingest.append_pg(session, job, records, events, summary):
+        if ingest.append_pg(session, job, records, events, summary, durable=durable):
             return
+    if not durable:
+        relax_commit(session)
     events = _rewrite_steps(session, job.id, records)
     for name, value in (_summary_after(job, records, events) | touched).items():
         setattr(job, name, value)

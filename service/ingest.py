@@ -124,7 +124,8 @@ _SUMMARIES_PG = f"""
             nonfinite_loss_count = r.nonfinite_loss_count + excluded.nonfinite_loss_count
     )
     UPDATE job SET {", ".join(f"{c} = %(j_{c})s" for c in _SUMMARY_COLUMNS)}
-    FROM whole WHERE job.id = %(job_id)s AND whole.ok
+    FROM whole, (SELECT set_config('synchronous_commit', %(synchronous_commit)s, true)) AS cfg
+    WHERE job.id = %(job_id)s AND whole.ok
     RETURNING 1
 """
 
@@ -324,13 +325,17 @@ def append_pg(
     records: Sequence[StepRecord],
     events: list[dict[str, Any]],
     summary: dict[str, Any],
+    *,
+    durable: bool = True,
 ) -> bool:
     """Write an appending batch (``appends`` said yes) with its scale events and the job's
     new ``summary`` (column values). False if a row was stored already: then only the new
-    rows were written, and the caller must take the general path."""
+    rows were written, and the caller must take the general path. ``durable=False`` lets
+    the commit return before the disk has the transaction (``history.relax_commit``), set
+    by the same statement rather than a round trip of its own."""
     values = np.array(records, dtype=np.float64).reshape(len(records), 5)
     copied = len(records) >= COPY_ROWS
-    params: dict[str, Any] = {"job_id": job.id}
+    params: dict[str, Any] = {"job_id": job.id, "synchronous_commit": "on" if durable else "off"}
     if not copied:
         params |= {
             "rows": len(records),

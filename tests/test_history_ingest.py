@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 import pytest
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, text
 
 from service import history, ingest, jobs
 from service.db import Database
@@ -253,4 +253,22 @@ def test_an_appending_batch_that_meets_a_stored_row_after_all_is_written_exactly
     assert stored_steps(db, job_id) == list(range(2000))
     assert rollups(db, job_id) == recomputed(db, job_id, 0, 1999)
     assert events(db, job_id) == expected_events(records)
+    assert summary(db, job_id) == expected_summary(records)
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_write_that_need_not_be_durable_commits_without_waiting_for_the_disk(
+    api: Api, db: Database, durable: bool
+) -> None:
+    job_id = submit(api)
+    records = synthetic_history(600, seed=18)
+    for batch in (records[:300], records[300:], records[200:400]):  # appends, then a resend
+        with db.write() as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            history.write_steps(s, job, batch, now=utcnow(), durable=durable)
+            if db.dialect == "postgresql":
+                setting = s.execute(text("SHOW synchronous_commit")).scalar()
+                assert setting == ("on" if durable else "off")
+    assert stored_steps(db, job_id) == list(range(600))
     assert summary(db, job_id) == expected_summary(records)

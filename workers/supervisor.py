@@ -354,8 +354,6 @@ class Supervisor:
                     run.lease_lost = True
                     return True
                 run.cancel_requested = run.cancel_requested or job.cancel_requested
-                if relaxed:
-                    history.relax_commit(session)
                 stored = -1 if job.last_step is None else job.last_step
                 lost = [r for r in run.unsynced if r.step > stored]
                 if lost:
@@ -385,7 +383,12 @@ class Supervisor:
                         *(w for w in run.new_warnings if w not in job.warnings),
                     ]
                 history.write_steps(
-                    session, job, lost + pending, now=now, steps_per_second=run.steps_per_second
+                    session,
+                    job,
+                    lost + pending,
+                    now=now,
+                    steps_per_second=run.steps_per_second,
+                    durable=not relaxed,
                 )
         except DBAPIError as exc:
             if run.db_down_since is None:
