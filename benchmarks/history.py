@@ -161,6 +161,18 @@ def served(url: str, home: Path) -> Iterator[str]:
             process.kill()
 
 
+def get(http: httpx.Client, path: str, **kw: Any) -> httpx.Response:
+    """GET, riding out a database restart (503) on this shared machine, saying so."""
+    for _ in range(60):
+        r = http.get(path, **kw)
+        if r.status_code != 503:
+            assert r.status_code in (200, 304), r.text
+            return r
+        print("  (the database was unreachable; this figure is void)", flush=True)
+        time.sleep(1)
+    raise AssertionError("the database stayed unreachable")
+
+
 def readers(http: httpx.Client, job_id: int) -> dict[str, tuple[Callable[[], int], Any]]:
     """Per format: a function that receives every byte (returns the byte count), and one that
     turns the received bytes into columns."""
@@ -169,8 +181,7 @@ def readers(http: httpx.Client, job_id: int) -> dict[str, tuple[Callable[[], int
     def pages(path: str, params: dict[str, Any], rows_of: Callable[[Any], int]) -> list[bytes]:
         bodies, after = [], -1
         while True:
-            r = http.get(path, params={**params, "after_step": after})
-            assert r.status_code == 200, r.text
+            r = get(http, path, params={**params, "after_step": after})
             bodies.append(r.content)
             page = json.loads(r.content)
             rows_of(page)
@@ -179,9 +190,7 @@ def readers(http: httpx.Client, job_id: int) -> dict[str, tuple[Callable[[], int
                 return bodies
 
     def whole(path: str) -> bytes:
-        r = http.get(path)
-        assert r.status_code == 200, r.text
-        return r.content
+        return get(http, path).content
 
     fetched: dict[str, Any] = {}
 
@@ -302,19 +311,17 @@ def bench(url: str, steps: int, repeat: int, points: int) -> None:
                 )
 
             def buckets() -> None:
-                r = http.get(f"/v1/jobs/{job_id}/history", params={"points": points})
-                assert r.status_code == 200
+                get(http, f"/v1/jobs/{job_id}/history", params={"points": points})
 
             def tail() -> None:
-                r = http.get(
-                    f"/v1/jobs/{job_id}/history", params={"after_step": hi - 1000, "limit": 1000}
-                )
-                assert r.status_code == 200 and len(r.json()["items"]) == 1000
+                params = {"after_step": hi - 1000, "limit": 1000}
+                r = get(http, f"/v1/jobs/{job_id}/history", params=params)
+                assert len(r.json()["items"]) == 1000
 
-            etag = http.get(f"/v1/jobs/{job_id}").headers["etag"]
+            etag = get(http, f"/v1/jobs/{job_id}").headers["etag"]
 
             def poll() -> None:
-                r = http.get(f"/v1/jobs/{job_id}", headers={"If-None-Match": etag})
+                r = get(http, f"/v1/jobs/{job_id}", headers={"If-None-Match": etag})
                 assert r.status_code == 304
 
             row(
