@@ -349,8 +349,17 @@ def parquet_stream(chunks: Iterator[Columns], job_id: int) -> Iterator[bytes]:
     _pyarrow()
     import pyarrow.parquet as pq
 
+    # No dictionary for step and loss (almost every value differs: a dictionary only costs
+    # time, 3.6x the writing, and space); the other columns repeat and encode to a few bits.
+    # No block compression: on these encodings snappy saved 2.5% of the bytes for twice the
+    # time.
     return _encode(
         chunks,
         job_id,
-        lambda sink, schema: pq.ParquetWriter(sink, schema, compression="snappy"),
+        lambda sink, schema: pq.ParquetWriter(
+            sink,
+            schema,
+            compression="none",
+            use_dictionary=["epoch", "loss_scale", "finite"],
+        ),
     )
