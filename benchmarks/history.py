@@ -1,52 +1,62 @@
-"""History at scale, measured on one job of N steps (default one million), on SQLite or
-PostgreSQL, side by side where a comparison makes sense:
+"""History at scale, on SQLite and PostgreSQL in one run, for jobs of each --steps size:
 
-- ingest: steps/s through the worker's write path (``history.write_steps`` in one write
-  transaction per batch, rollups and events kept current), batches of --batch rows (what a
-  fast job accumulates between two flushes);
-- bytes per step on PostgreSQL (table, primary key, rollups, events);
-- through the HTTP API (uvicorn in this process): ``points=1000`` over the whole job, a
-  1,000-row ``after_step`` page at the tail, a 304 poll of the job (If-None-Match), all with
-  the poll cache off, i.e. every answer from the database; and the 304 polls per second one
-  API process sustains with its poll cache on (with wrk when installed);
-- the zoomed-out buckets from the rollups against the same buckets from every step row.
+- ingest: steps/s through the worker's write path (``Supervisor._sync``, what the supervisor
+  runs per flush: the fenced lease renewal, the rows, rollups, scale events and summary in
+  one transaction), at 333-row batches (what a job flushes every 0.5 s) and at 10,000;
+- the whole history through HTTP, from a real ``halfway serve`` process (poll cache off, so
+  every answer comes from the database): JSON pages of 10,000 rows, ``format=columns``
+  pages of up to 1,000,000, CSV, Arrow and Parquet; the time to receive every byte and the
+  time to have the rows decoded into columns in the client, with ratios against JSON pages;
+- ``points=1000`` over the whole job, a 1,000-row ``after_step`` page at the tail, a 304
+  poll of the job, through HTTP;
+- bytes per step on PostgreSQL, and the zoomed-out buckets from the rollups against the same
+  buckets from every step row.
 
-    .venv/bin/python benchmarks/history.py                  # SQLite
-    .venv/bin/python benchmarks/history.py --database-url postgresql://root@127.0.0.1:5432/test
+    .venv/bin/python benchmarks/history.py \\
+        --databases sqlite,postgresql://root@127.0.0.1:5432/bench --steps 100000,1000000
 
-The database named by --database-url is wiped (its tables dropped and recreated).
+Each PostgreSQL database named is wiped (its tables dropped and recreated).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
+import json
 import math
+import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 from sqlalchemy import text
 
 from service import auth, history, jobs, migrate
-from service.app import create_app
 from service.db import Database
 from service.history import StepRecord
-from service.models import Job, utcnow
+from service.models import utcnow
 from service.schemas import JobSpec, SubmitResult
 from service.settings import Settings
+from workers.supervisor import Supervisor, _Run
+
+HALFWAY = str(Path(sys.executable).parent / "halfway")
 
 
 def synthetic(n: int, seed: int = 0) -> list[StepRecord]:
+    """A loss-scale history: overflows (the scale halves), growth every 2000 good steps,
+    some NaN losses; float32-exact values, as TensorFlow produces."""
     rng = random.Random(seed)
     scale, out = 32768.0, []
     for step in range(n):
@@ -69,193 +79,306 @@ def timed(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(samples)
 
 
-class Served:
-    """The real app under uvicorn in this process, on a free port."""
-
-    def __init__(self, db: Database, home: Path, poll_cache_seconds: float) -> None:
-        settings = Settings(
-            home=home,
-            database_url=db.engine.url.render_as_string(hide_password=False),
-            poll_cache_seconds=poll_cache_seconds,
-        )
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                create_app(settings, db, auth=True),
-                host="127.0.0.1",
-                port=self.port,
-                log_level="warning",
-                log_config=None,
-            )
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-def polls_per_second(
-    url: str, path: str, headers: dict[str, str], seconds: float
-) -> tuple[float, str]:
-    """304 polls per second one API process answers: wrk (50 connections) when installed,
-    else four Python threads (which then also measure this client)."""
-    if shutil.which("wrk"):
-        args = ["wrk", "-t1", "-c50", f"-d{int(seconds)}s"]
-        for name, value in headers.items():
-            args += ["-H", f"{name}: {value}"]
-        out = subprocess.run([*args, url + path], capture_output=True, text=True, check=True)
-        rate = next(x for x in out.stdout.splitlines() if x.startswith("Requests/sec"))
-        return float(rate.split()[1]), "wrk, 50 connections"
-    done = [0]
-    stop = time.perf_counter() + seconds
-
-    def hammer() -> None:
-        with httpx.Client(base_url=url, headers=headers) as client:
-            while time.perf_counter() < stop:
-                client.get(path)
-                done[0] += 1
-
-    threads = [threading.Thread(target=hammer) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return done[0] / seconds, "4 Python threads"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--database-url", default=None)
-    parser.add_argument("--steps", type=int, default=1_000_000)
-    parser.add_argument("--batch", type=int, default=10_000)
-    parser.add_argument("--points", type=int, default=1000)
-    parser.add_argument("--repeat", type=int, default=9)
-    args = parser.parse_args()
-
-    home = Path(tempfile.mkdtemp())
-    url = args.database_url or f"sqlite:///{home / 'bench.db'}"
+def fresh_database(url: str, home: Path) -> Database:
+    if url == "sqlite":
+        url = f"sqlite:///{home / 'bench.db'}"
     db = Database.connect(url)
     if db.dialect == "postgresql":
         with db.engine.begin() as conn:
             conn.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
     migrate.upgrade(db.engine)
+    return db
+
+
+def new_job(db: Database) -> int:
     with db.write() as s:
-        token = auth.add_user(s, "bench", admin=True)
-        job_id = jobs.create_job(
+        return jobs.create_job(
             s,
             owner="bench",
             submitted=SubmitResult(spec=JobSpec(), warnings=[], notes=[]),
             now=utcnow(),
         ).id
 
-    records = synthetic(args.steps)
+
+def ingest(
+    db: Database, settings: Settings, records: list[StepRecord], batch: int
+) -> tuple[float, int]:
+    """Steps/s through the supervisor's flush, one claimed job, batches of ``batch`` rows."""
+    job_id = new_job(db)
+    supervisor = Supervisor(db, settings, worker_id="bench")
+    with db.write() as s:
+        claim = jobs.claim_next(s, worker_id="bench", lease_seconds=600, gpus_held=0)
+        assert claim is not None and claim.job_id == job_id
+    run = _Run(job_id=job_id, attempt=1)
     start = time.perf_counter()
-    for i in range(0, len(records), args.batch):
+    for i in range(0, len(records), batch):
+        run.pending = records[i : i + batch]
+        while not supervisor._sync(run):  # the database went away: the rows stay pending
+            print("  (the database was unreachable; this ingest figure is void)", flush=True)
+            time.sleep(1)
+        assert not run.lease_lost
+    rate = len(records) / (time.perf_counter() - start)
+    with db.write() as s:
+        assert jobs.finish(s, job_id=job_id, worker_id="bench", status="succeeded")
+    return rate, job_id
+
+
+@contextmanager
+def served(url: str, home: Path) -> Iterator[str]:
+    """A real ``halfway serve`` (no worker, no poll cache) on a free port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {
+        **os.environ,
+        "HALFWAY_HOME": str(home),
+        "HALFWAY_DATABASE_URL": url,
+        "HALFWAY_POLL_CACHE_SECONDS": "0",
+    }
+    process = subprocess.Popen(
+        [HALFWAY, "serve", "--no-worker", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and process.poll() is None, "no server"
+            time.sleep(0.2)
+        yield base
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def get(http: httpx.Client, path: str, **kw: Any) -> httpx.Response:
+    """GET, riding out a database restart (503) on this shared machine, saying so."""
+    for _ in range(60):
+        r = http.get(path, **kw)
+        if r.status_code != 503:
+            assert r.status_code in (200, 304), r.text
+            return r
+        print("  (the database was unreachable; this figure is void)", flush=True)
+        time.sleep(1)
+    raise AssertionError("the database stayed unreachable")
+
+
+def readers(http: httpx.Client, job_id: int) -> dict[str, tuple[Callable[[], int], Any]]:
+    """Per format: a function that receives every byte (returns the byte count), and one that
+    turns the received bytes into columns."""
+    base = f"/v1/jobs/{job_id}/history"
+
+    def pages(path: str, params: dict[str, Any], rows_of: Callable[[Any], int]) -> list[bytes]:
+        bodies, after = [], -1
+        while True:
+            r = get(http, path, params={**params, "after_step": after})
+            bodies.append(r.content)
+            page = json.loads(r.content)
+            rows_of(page)
+            after = page["next_after_step"]
+            if not page["has_more"]:
+                return bodies
+
+    def whole(path: str) -> bytes:
+        return get(http, path).content
+
+    fetched: dict[str, Any] = {}
+
+    def fetch(name: str, get: Callable[[], Any]) -> Callable[[], int]:
+        def run() -> int:
+            fetched[name] = get()
+            body = fetched[name]
+            return sum(map(len, body)) if isinstance(body, list) else len(body)
+
+        return run
+
+    def rows_from_pages() -> Any:
+        cols: dict[str, list[Any]] = {k: [] for k in ("step", "loss", "loss_scale", "finite")}
+        for body in fetched["JSON pages"]:
+            for item in json.loads(body)["items"]:
+                for k, v in cols.items():
+                    v.append(item[k])
+        return cols
+
+    def rows_from_columns() -> Any:
+        cols: dict[str, list[Any]] = {}
+        for body in fetched["columns"]:
+            page = json.loads(body)
+            for k in ("step", "loss", "loss_scale", "finite"):
+                cols.setdefault(k, []).extend(page[k])
+        return cols
+
+    def rows_from_csv() -> Any:
+        return list(csv.reader(io.StringIO(fetched["CSV"].decode())))
+
+    def rows_from_arrow() -> Any:
+        import pyarrow as pa
+
+        return pa.ipc.open_stream(fetched["Arrow"]).read_all()
+
+    def rows_from_parquet() -> Any:
+        import pyarrow.parquet as pq
+
+        return pq.read_table(io.BytesIO(fetched["Parquet"]))
+
+    return {
+        "JSON pages": (
+            fetch("JSON pages", lambda: pages(base, {"limit": 10_000}, lambda p: 0)),
+            rows_from_pages,
+        ),
+        "columns": (
+            fetch(
+                "columns",
+                lambda: pages(base, {"format": "columns", "limit": 1_000_000}, lambda p: 0),
+            ),
+            rows_from_columns,
+        ),
+        "CSV": (fetch("CSV", lambda: whole(f"{base}.csv")), rows_from_csv),
+        "Arrow": (fetch("Arrow", lambda: whole(f"{base}.arrow")), rows_from_arrow),
+        "Parquet": (fetch("Parquet", lambda: whole(f"{base}.parquet")), rows_from_parquet),
+    }
+
+
+def fetched_and_decoded(fetch: Callable[[], int], decode: Callable[[], Any]) -> Callable[[], Any]:
+    return lambda: (fetch(), decode())
+
+
+def row(what: str, value: str, note: str = "") -> None:
+    print(f"  {what:60s} {value:>16s}  {note}", flush=True)
+
+
+def bench(url: str, steps: int, repeat: int, points: int) -> None:
+    home = Path(tempfile.mkdtemp())
+    try:
+        db = fresh_database(url, home)
+        db_url = db.engine.url.render_as_string(hide_password=False)
+        settings = Settings(home=home, database_url=db_url, lease_seconds=600)
         with db.write() as s:
-            job = s.get(Job, job_id)
-            assert job is not None
-            history.write_steps(s, job, records[i : i + args.batch], now=utcnow())
-    ingest = args.steps / (time.perf_counter() - start)
-    if db.dialect == "postgresql":
-        with db.engine.connect() as conn:
-            conn.execute(text("ANALYZE"))
+            token = auth.add_user(s, "bench", admin=True)
+        records = synthetic(steps)
+        print(f"database: {db.dialect}; jobs of {steps:,} steps", flush=True)
+        for batch in (333, 10_000):
+            rate, job_id = ingest(db, settings, records, batch)
+            pg_333 = batch == 333 and db.dialect == "postgresql"
+            note = "(target >= 150,000)" if pg_333 else ""
+            row(f"ingest, supervisor's flush, batches of {batch:,}", f"{rate:,.0f} steps/s", note)
+        # job_id: the 10,000-row job's; both jobs hold the same rows
+        if db.dialect == "postgresql":
+            with db.engine.connect() as conn:
+                conn.execute(text("ANALYZE"))
+                sizes = {
+                    t: conn.execute(text(f"SELECT pg_total_relation_size('{t}')")).scalar() or 0
+                    for t in ("step", "step_rollup", "scale_event")
+                }
+            per_step = sum(sizes.values()) / (2 * steps)
+            row("bytes per step (table, key, rollups, events)", f"{per_step:.1f}")
 
-    hi = args.steps - 1
-    grid = history.grid_for(0, hi, args.points)
+        hi = steps - 1
+        with (
+            served(db_url, home) as base,
+            httpx.Client(
+                base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=600
+            ) as http,
+        ):
+            formats = readers(http, job_id)
+            received: dict[str, float] = {}
+            for name, (fetch, decode) in formats.items():
+                size = fetch()  # warm (and checked once)
+                decoded = decode()
+                count = (
+                    decoded.num_rows
+                    if hasattr(decoded, "num_rows")
+                    else (len(decoded) - 1 if isinstance(decoded, list) else len(decoded["step"]))
+                )
+                assert count == steps, (name, count)
+                received[name] = timed(fetch, repeat)
+                both = timed(fetched_and_decoded(fetch, decode), max(1, repeat // 2))
+                ratio = received["JSON pages"] / received[name]
+                row(
+                    f"whole history as {name} through HTTP (+ decoded)",
+                    f"{received[name] * 1000:,.0f} ms",
+                    f"(+ decoded {both * 1000:,.0f} ms; {size / steps:.1f} bytes/row; "
+                    f"{ratio:.1f}x JSON pages)",
+                )
 
-    def served() -> Any:
-        with db.read() as s:
-            return history.buckets(s, job_id, lo=0, hi=hi, points=args.points)
+            def buckets() -> None:
+                get(http, f"/v1/jobs/{job_id}/history", params={"points": points})
 
-    def from_rows() -> Any:
-        with db.read() as s:
-            return history._raw_groups(s, job_id, 0, hi, grid)
+            def tail() -> None:
+                params = {"after_step": hi - 1000, "limit": 1000}
+                r = get(http, f"/v1/jobs/{job_id}/history", params=params)
+                assert len(r.json()["items"]) == 1000
 
-    # Same answer both ways, or the comparison means nothing.
-    a = {b.index: (b.first_step, b.last_step, b.count, b.overflow_count) for b in served()}
-    b = {k: (g.first_step, g.last_step, g.count, g.overflow_count) for k, g in from_rows().items()}
-    assert a == b, "rollups and rows disagree"
-    t_served = timed(served, args.repeat)
-    t_rows = timed(from_rows, max(3, args.repeat // 3))
+            etag = get(http, f"/v1/jobs/{job_id}").headers["etag"]
 
-    headers = {"Authorization": f"Bearer {token}"}
-    direct = Served(db, home, poll_cache_seconds=0)
-    with httpx.Client(base_url=direct.url, headers=headers, timeout=60) as http:
-        etag = http.get(f"/v1/jobs/{job_id}").headers["etag"]
+            def poll() -> None:
+                r = get(http, f"/v1/jobs/{job_id}", headers={"If-None-Match": etag})
+                assert r.status_code == 304
 
-        # The timed requests do not parse the JSON: that is the client's cost, not the API's.
-        # It is checked once here.
-        buckets_params = {"points": args.points}
-        tail_params = {"after_step": hi - 1000, "limit": 1000}
-        history_path = f"/v1/jobs/{job_id}/history"
-        assert len(http.get(history_path, params=buckets_params).json()["buckets"]) == len(a)
-        assert len(http.get(history_path, params=tail_params).json()["items"]) == 1000
-
-        def buckets_http() -> Any:
-            assert http.get(history_path, params=buckets_params).status_code == 200
-
-        def tail_page() -> Any:
-            assert http.get(history_path, params=tail_params).status_code == 200
-
-        def poll_304() -> Any:
-            assert (
-                http.get(f"/v1/jobs/{job_id}", headers={"If-None-Match": etag}).status_code == 304
+            row(
+                f"points={points} over the whole job, HTTP",
+                f"{timed(buckets, repeat) * 1000:.1f} ms",
             )
+            row(
+                "1,000-row after_step page at the tail, HTTP",
+                f"{timed(tail, repeat) * 1000:.1f} ms",
+            )
+            row("304 poll of the job, HTTP", f"{timed(poll, repeat * 5) * 1000:.2f} ms")
 
-        t_buckets = timed(buckets_http, args.repeat)
-        t_tail = timed(tail_page, args.repeat)
-        t_304 = timed(poll_304, args.repeat * 5)
-    direct.stop()
-    cached = Served(db, home, poll_cache_seconds=0.5)
-    rate, how = polls_per_second(
-        cached.url, f"/v1/jobs/{job_id}", {**headers, "If-None-Match": etag}, seconds=10
-    )
-    cached.stop()
+        grid = history.grid_for(0, hi, points)
 
-    def row(what: str, value: str, target: str = "") -> None:
-        print(f"  {what:58s} {value:>14s}  {target}")
+        def from_rollups() -> Any:
+            with db.read() as s:
+                return history.buckets(s, job_id, lo=0, hi=hi, points=points)
 
-    print(f"database: {db.dialect}; one job of {args.steps:,} steps")
-    row(
-        f"ingest, worker write path (batches of {args.batch:,})",
-        f"{ingest:,.0f} steps/s",
-        "(PostgreSQL target >= 200,000)",
+        def from_rows() -> Any:
+            with db.read() as s:
+                return history._raw_groups(s, job_id, 0, hi, grid)
+
+        a = {b.index: (b.first_step, b.last_step, b.count) for b in from_rollups()}
+        b = {k: (g.first_step, g.last_step, g.count) for k, g in from_rows().items()}
+        assert a == b, "rollups and rows disagree"
+        t_rollups = timed(from_rollups, repeat)
+        t_rows = timed(from_rows, max(1, repeat // 3))
+        row(f"{len(a)} buckets in SQL: from the rollups", f"{t_rollups * 1000:.1f} ms")
+        row(
+            f"{len(a)} buckets in SQL: from every step row",
+            f"{t_rows * 1000:.1f} ms",
+            f"({t_rows / t_rollups:.0f}x the rollups)",
+        )
+        db.dispose()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    if db.dialect == "postgresql":
-        with db.engine.connect() as conn:
-            sizes = {
-                table: conn.execute(text(f"SELECT pg_total_relation_size('{table}')")).scalar() or 0
-                for table in ("step", "step_rollup", "scale_event")
-            }
-        per_step = sum(sizes.values()) / args.steps
-        detail = ", ".join(f"{t} {v / args.steps:.1f}" for t, v in sizes.items())
-        row("bytes per step", f"{per_step:.1f}", f"(target <= 120; {detail})")
-    row(
-        f"HTTP points={args.points} over the whole job",
-        f"{t_buckets * 1000:.1f} ms",
-        "(target <= 60 ms)",
+    parser.add_argument(
+        "--databases",
+        default="sqlite",
+        help="Comma-separated: 'sqlite' (a temporary file) and/or PostgreSQL URLs (wiped).",
     )
-    row(
-        "HTTP 1,000-row after_step page at the tail", f"{t_tail * 1000:.1f} ms", "(target <= 10 ms)"
-    )
-    row("HTTP 304 poll of the job", f"{t_304 * 1000:.2f} ms", "(target <= 3 ms)")
-    row(f"304 polls/s, one API process ({how})", f"{rate:,.0f}/s")
-    row(f"{len(a)} buckets in SQL: from rollups", f"{t_served * 1000:.1f} ms")
-    row(
-        f"{len(a)} buckets in SQL: from every step row",
-        f"{t_rows * 1000:.1f} ms",
-        f"({t_rows / t_served:.0f}x the rollups)",
-    )
-    db.dispose()
+    parser.add_argument("--steps", default="100000,1000000", help="Comma-separated job sizes.")
+    parser.add_argument("--points", type=int, default=1000)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    print(f"load average before: {os.getloadavg()[0]:.2f} (2-minute: {os.getloadavg()[1]:.2f})")
+    for url in args.databases.split(","):
+        for steps in (int(s) for s in args.steps.split(",")):
+            bench(url, steps, args.repeat, args.points)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -14,16 +14,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.gzip import GZipMiddleware
+from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES, GZipMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import openapi
 from service.authcache import AuthCache, FailureLimiter
+from service.columnar import EXPORT_MEDIA_TYPES
 from service.db import Database
 from service.errors import HalfwayError, SpecError, TooManyRequests
 from service.metrics import MetricsRegistry, ObserveRequests, metrics_response
 from service.pollcache import PollCache
-from service.routes import artifacts, code, dashboard, datasets, history, jobs, meta, sweeps
+from service.routes import (
+    artifacts,
+    code,
+    dashboard,
+    datasets,
+    export,
+    history,
+    jobs,
+    meta,
+    sweeps,
+)
 from service.schemas import LEGACY_AMP_ENV
 from service.settings import Settings
 from service.storage import StorageUnavailable
@@ -278,6 +289,7 @@ def create_app(
 
     app.include_router(jobs.router)
     app.include_router(history.router)
+    app.include_router(export.router)
     app.include_router(meta.router)
     app.include_router(artifacts.router)
     app.include_router(datasets.router)
@@ -289,8 +301,14 @@ def create_app(
     # Bucket pages for long jobs run to hundreds of kilobytes of JSON and compress well.
     # Level 1 because it is about ten times cheaper than level 9 for a slightly larger result
     # (README, "Decisions"). Starlette leaves text/event-stream alone, so the event stream is
-    # not delayed.
-    app.add_middleware(GZipMiddleware, minimum_size=1024, compresslevel=1)
+    # not delayed. Arrow and Parquet are left alone: gzip would shrink a million-row Arrow
+    # stream a few times (Parquet is compact already) but take longer than sending it on a LAN.
+    app.add_middleware(
+        GZipMiddleware,
+        minimum_size=1024,
+        compresslevel=1,
+        exclude_content_types=(*DEFAULT_EXCLUDED_CONTENT_TYPES, *EXPORT_MEDIA_TYPES),
+    )
     app.add_middleware(ObserveRequests)
     app.add_middleware(
         BodySizeLimit,

@@ -27,6 +27,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from service import ingest
 from service.models import Job, ScaleEvent, Step, StepRollup, float32
 
 
@@ -138,16 +139,38 @@ def write_steps(
     *,
     now: datetime,
     steps_per_second: float | None = None,
+    durable: bool = True,
 ) -> None:
     """Upsert a batch of step records (in step order) and fold them into the job's summary.
 
     A batch may be written twice (a commit whose acknowledgement was lost, a retry): the rows
     are upserts and the counters only count steps past the summary's ``last_step``, so a
-    rewrite changes nothing.
+    rewrite changes nothing. ``durable=False``: the transaction's commit need not wait for
+    the disk (``relax_commit``); the caller must be able to write the batch again.
     """
     if not records:
         return
-    job_id = job.id
+    touched: dict[str, Any] = {"updated_at": now}
+    if steps_per_second is not None:
+        touched["steps_per_second"] = steps_per_second
+    if ingest.appends(session, job, records):
+        events = scale_events(records, ingest.previous_scale(job, records[0].step))
+        summary = _summary_after(job, records, events) | touched
+        if ingest.append_pg(session, job, records, events, summary, durable=durable):
+            return
+    if not durable:
+        relax_commit(session)
+    events = _rewrite_steps(session, job.id, records)
+    for name, value in (_summary_after(job, records, events) | touched).items():
+        setattr(job, name, value)
+    session.flush()
+
+
+def _rewrite_steps(
+    session: Session, job_id: int, records: Sequence[StepRecord]
+) -> list[dict[str, Any]]:
+    """The general write: upserts whatever is stored already, and recomputes the rollups of
+    the range from the stored rows. Returns the batch's scale events."""
     first = records[0].step
     previous = session.scalar(
         select(Step.loss_scale).where(Step.job_id == job_id, Step.step == first - 1)
@@ -169,34 +192,50 @@ def write_steps(
         [{"job_id": job_id, **e} for e in events],
         ["job_id", "step"],
     )
+    return events
 
+
+def _summary_after(
+    job: Job, records: Sequence[StepRecord], events: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The summary's new values once ``records`` are written. Counters count only steps past
+    the summary's ``last_step``: a rewrite changes none."""
     seen = job.last_step if job.last_step is not None else -1
     fresh = [r for r in records if r.step > seen]
+    if not fresh:
+        return {}
     fresh_events = [e for e in events if e["step"] > seen]
+    last = fresh[-1]
+    batch_min = min(r.loss_scale for r in fresh)
     overflows = sum(1 for r in fresh if not r.finite)
     backoffs = sum(1 for e in fresh_events if e["reason"] == "overflow")
-    # What /metrics counts only grows: a truncation recomputes the summary, never these.
-    job.steps_recorded += len(fresh)
-    job.overflows_recorded += overflows
-    job.backoffs_recorded += backoffs
-    if fresh:
-        last = fresh[-1]
-        job.last_step = last.step
-        job.epoch = last.epoch
-        job.last_loss = last.loss
-        job.loss_scale = last.loss_scale
-        batch_min = min(r.loss_scale for r in fresh)
-        job.min_loss_scale = (
+    return {
+        "last_step": last.step,
+        "epoch": last.epoch,
+        "last_loss": last.loss,
+        "loss_scale": last.loss_scale,
+        "min_loss_scale": (
             batch_min if job.min_loss_scale is None else min(job.min_loss_scale, batch_min)
-        )
-        job.overflow_count += overflows
-        job.nonfinite_loss_count += sum(1 for r in fresh if not math.isfinite(r.loss))
-        job.growth_count += sum(1 for e in fresh_events if e["reason"] == "growth")
-        job.backoff_count += backoffs
-    if steps_per_second is not None:
-        job.steps_per_second = steps_per_second
-    job.updated_at = now
-    session.flush()
+        ),
+        "overflow_count": job.overflow_count + overflows,
+        "nonfinite_loss_count": (
+            job.nonfinite_loss_count + sum(1 for r in fresh if not math.isfinite(r.loss))
+        ),
+        "growth_count": job.growth_count + sum(1 for e in fresh_events if e["reason"] == "growth"),
+        "backoff_count": job.backoff_count + backoffs,
+        # What /metrics counts only grows: a truncation recomputes the summary, never these.
+        "steps_recorded": job.steps_recorded + len(fresh),
+        "overflows_recorded": job.overflows_recorded + overflows,
+        "backoffs_recorded": job.backoffs_recorded + backoffs,
+    }
+
+
+def relax_commit(session: Session) -> None:
+    """Let this transaction's commit return before its WAL reaches the disk (PostgreSQL;
+    SQLite in WAL mode with synchronous=NORMAL already does). A crash of the database may
+    then lose it, never corrupt anything: the caller must be able to write it again."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SET LOCAL synchronous_commit TO OFF"))
 
 
 def truncate_after(session: Session, job: Job, step: int) -> None:

@@ -245,6 +245,23 @@ def renew_lease(
     return None if row is None else Renewal(cancel_requested=bool(row[0]), now=row[1])
 
 
+def renew_and_load(
+    session: Session, *, job_id: int, worker_id: str, lease_seconds: float
+) -> Job | None:
+    """``renew_lease`` for a writer: the job itself, loaded by the fenced UPDATE (which
+    returns the whole row), or None if it is no longer ours. The history write that follows
+    in the same transaction then needs no query to load the job; its ``updated_at`` is the
+    database's time of the renewal."""
+    job: Job | None = session.scalars(
+        update(Job)
+        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status == "running")
+        .values(lease_expires_at=db_now(lease_seconds), updated_at=db_now())
+        .returning(Job)
+        .execution_options(synchronize_session=False, populate_existing=True)
+    ).one_or_none()
+    return job
+
+
 def finish(
     session: Session,
     *,

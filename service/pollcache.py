@@ -52,7 +52,7 @@ class PollCache:
         self.ttl = ttl
         self.size = size
         self._items: dict[int, Snapshot] = {}
-        self._pages: dict[tuple[int, int, int], Page] = {}
+        self._pages: dict[tuple[str, int, int, int], Page] = {}
         self._lock = threading.Lock()
         self._flights: dict[object, threading.Lock] = {}
         # Moved on by every forget. A load that began under an older generation may have read
@@ -109,19 +109,29 @@ class PollCache:
                 self._items[job_id] = snap
         return snap
 
-    def page(self, job_id: int, after_step: int, limit: int, snap: Snapshot) -> Page | None:
-        page = self._pages.get((job_id, after_step, limit))
+    def page(
+        self, job_id: int, after_step: int, limit: int, snap: Snapshot, *, kind: str = "rows"
+    ) -> Page | None:
+        """``kind``: the page's format (rows, columns), since each has its own body."""
+        page = self._pages.get((kind, job_id, after_step, limit))
         return page if page is not None and page.taken == snap.taken else None
 
     def store_page(
-        self, job_id: int, after_step: int, limit: int, snap: Snapshot, body: bytes
+        self,
+        job_id: int,
+        after_step: int,
+        limit: int,
+        snap: Snapshot,
+        body: bytes,
+        *,
+        kind: str = "rows",
     ) -> Page:
         page = Page(body, etag_of(body, snap.history_version), snap.taken)
         if self.ttl > 0:
             with self._lock:
                 if len(self._pages) >= self.size:
                     self._pages.clear()
-                self._pages[(job_id, after_step, limit)] = page
+                self._pages[(kind, job_id, after_step, limit)] = page
         return page
 
     def forget(self, job_id: int) -> None:

@@ -1122,6 +1122,28 @@ class BucketPage(BaseModel):
     )
 
 
+class ColumnsPage(BaseModel):
+    """``history?format=columns``: the rows as one array per field (the shape chart libraries
+    take), in step order."""
+
+    job_id: int
+    status: str
+    step: list[int]
+    epoch: list[int]
+    loss: list[float | None] = Field(description="null where loss_nonfinite says why.")
+    loss_nonfinite: list[Literal["nan", "inf", "-inf"] | None]
+    loss_scale: list[float]
+    finite: list[bool]
+    next_after_step: int | None = Field(
+        description="Pass as ?after_step= to get only newer rows (a polling cursor)."
+    )
+    has_more: bool
+    history_version: int = Field(description="As in a row page: moves on with each rewrite.")
+    history_reset_step: int | None = Field(
+        description="The first step the latest rewrite replaced (null: never rewritten)."
+    )
+
+
 class ScaleEventOut(BaseModel):
     step: int = Field(description="The first step that used the new scale.")
     old_scale: float

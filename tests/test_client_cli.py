@@ -22,7 +22,7 @@ from service.cli import app as cli_app
 from service.client import Client, ExitCode, UsageError, resolve_target, tables
 from service.client import commands as client_commands
 from service.history import StepRecord
-from service.models import Job, utcnow
+from service.models import Job, float32, utcnow
 from tests import fakes
 from tests.live import CLIENT_ENV, Live, free_port, halfway
 from tests.waiting import eventually
@@ -368,6 +368,37 @@ def test_history_csv_streams_every_row(live: Live) -> None:
     assert float(rows[39]["loss_scale"]) == 256.0
 
 
+@pytest.mark.parametrize("kind", ["arrow", "parquet"])
+def test_history_writes_every_row_to_an_arrow_or_parquet_file_in_the_halfway_executable(
+    live: Live, tmp_path: Path, kind: str
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    job_id = live.submit(TINY)
+    records = records_with_overflows()
+    finish_directly(live, job_id, records)
+    file = tmp_path / f"run.{kind}"
+    result = halfway(live, "history", str(job_id), f"--{kind}", str(file))
+    assert result.returncode == 0, result.stderr
+    assert f"Wrote job {job_id}'s history to {file}" in result.stdout
+    table = pq.read_table(file) if kind == "parquet" else pa.ipc.open_stream(file.read_bytes())
+    cols = table.read_all().to_pydict() if kind == "arrow" else table.to_pydict()
+    assert cols["step"] == [r.step for r in records]
+    assert cols["epoch"] == [r.epoch for r in records]
+    assert [s for s, f in zip(cols["step"], cols["finite"], strict=True) if not f] == [5, 6]
+    assert math.isnan(cols["loss"][7])
+    assert [v for i, v in enumerate(cols["loss"]) if i != 7] == [
+        float32(r.loss) for r in records if r.step != 7
+    ]
+    assert cols["loss_scale"] == [r.loss_scale for r in records]
+
+    missing = tmp_path / f"missing.{kind}"
+    unknown = halfway(live, "history", "999", f"--{kind}", str(missing))
+    assert unknown.returncode == ExitCode.NOT_FOUND, unknown.stderr
+    assert not missing.exists() and list(tmp_path.glob("*.partial")) == []
+
+
 def test_history_points_summarizes_buckets_and_marks_the_ones_with_overflows(
     live: Live,
 ) -> None:
@@ -389,6 +420,10 @@ def test_history_options_that_exclude_each_other_are_usage_errors(live: Live) ->
     assert both.exit_code == ExitCode.USAGE and "choose one of --csv and --points" in both.stderr
     paged = cli(live, "history", "1", "--csv", "--limit", "5")
     assert paged.exit_code == ExitCode.USAGE and "--after-step and --limit" in paged.stderr
+    files = cli(live, "history", "1", "--arrow", "a", "--parquet", "b")
+    assert files.exit_code == ExitCode.USAGE and "--arrow and --parquet" in files.stderr
+    paged_file = cli(live, "history", "1", "--parquet", "b", "--after-step", "5")
+    assert paged_file.exit_code == ExitCode.USAGE and "not with --parquet" in paged_file.stderr
 
 
 # --------------------------------------------------------------------------------------------

@@ -408,6 +408,8 @@ def test_live_updates_fetch_only_new_rows(
     assert cursors == sorted(cursors), "the cursor never goes back"
     assert cursors.count(-1) == 1, "the history is never read again from the start"
     assert all("points" not in q for q in dash.history_queries(job_id))
+    # Rows come as columns, the shape uPlot takes, not as an object per row.
+    assert all(q.get("format") == "columns" for q in dash.history_queries(job_id))
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ log = logging.getLogger("halfway.worker")
 
 
 DB_RETRY_MAX_SECONDS = 5.0
+# At most this many flushes in a row commit without waiting for the disk; the next one waits.
+RELAXED_FLUSHES = 8
 
 
 def new_worker_id(slot: str = "0") -> str:
@@ -80,6 +82,9 @@ class _Run:
     next_db_try: float = 0.0
     db_backoff: float = 0.25
     db_down_since: float | None = None
+    # Rows committed without waiting for the disk (see _sync), kept until a commit that waits.
+    unsynced: list[StepRecord] = field(default_factory=list)
+    relaxed_flushes: int = 0
 
 
 class Supervisor:
@@ -307,19 +312,34 @@ class Supervisor:
         False if the database was unreachable (everything stays pending for the next try)."""
         pending = run.pending
         started = time.perf_counter()
+        # A flush that carries only history need not wait for the disk (PostgreSQL's commit
+        # fsync costs more than the write itself): if the database crashes before those rows
+        # reach the disk they are gone from it, but not from here. They are kept until a
+        # commit that waits (every RELAXED_FLUSHES-th, and any carrying more than history:
+        # an acknowledged checkpoint, a truncation, the job's end), which makes every earlier
+        # commit durable too; a flush that finds the job's last step behind them writes them
+        # again.
+        relaxed = (
+            run.relaxed_flushes < RELAXED_FLUSHES
+            and run.truncate_at is None
+            and not run.updates
+            and run.metrics is None
+            and not run.new_warnings
+            and not run.new_forensics
+        )
         try:
             with self.db.write() as session:
-                renewal = jobs.renew_lease(
+                job = jobs.renew_and_load(
                     session,
                     job_id=run.job_id,
                     worker_id=self.worker_id,
                     lease_seconds=self.settings.lease_seconds,
                 )
-                if renewal is None:
+                if job is None:
                     run.lease_lost = True
                     return True
-                run.cancel_requested = run.cancel_requested or renewal.cancel_requested
-                job = jobs.get_job(session, run.job_id)
+                run.cancel_requested = run.cancel_requested or job.cancel_requested
+                now = job.updated_at  # the database's clock
                 if run.missing_checkpoint is not None:
                     job.notes = [*job.notes, run.missing_checkpoint]
                     job.attempt_errors = [
@@ -327,9 +347,19 @@ class Supervisor:
                         {
                             "attempt": run.attempt,
                             "error": run.missing_checkpoint,
-                            "at": renewal.now.isoformat(),
+                            "at": now.isoformat(),
                         },
                     ]
+                stored = -1 if job.last_step is None else job.last_step
+                lost = [r for r in run.unsynced if r.step > stored]
+                if lost:
+                    log.warning(
+                        "job %s: the database lost %d committed rows (a crash before they "
+                        "reached its disk); writing them again",
+                        run.job_id,
+                        len(lost),
+                        extra=self._context(run.job_id),
+                    )
                 if run.truncate_at is not None:
                     history.truncate_after(session, job, run.truncate_at)
                 for key, value in run.updates.items():
@@ -351,7 +381,12 @@ class Supervisor:
                         *(w for w in run.new_warnings if w not in job.warnings),
                     ]
                 history.write_steps(
-                    session, job, pending, now=renewal.now, steps_per_second=run.steps_per_second
+                    session,
+                    job,
+                    lost + pending,
+                    now=now,
+                    steps_per_second=run.steps_per_second,
+                    durable=not relaxed,
                 )
         except DBAPIError as exc:
             if run.db_down_since is None:
@@ -380,6 +415,12 @@ class Supervisor:
         run.db_down_since = None
         run.db_backoff = 0.25
         run.pending = run.pending[len(pending) :]
+        if relaxed:
+            run.unsynced += pending  # ``lost`` is a tail of ``unsynced`` already
+            run.relaxed_flushes += 1
+        else:
+            run.unsynced = []
+            run.relaxed_flushes = 0
         run.updates = {}
         run.metrics = None
         run.new_warnings = []

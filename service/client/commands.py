@@ -9,7 +9,7 @@ says)::
     halfway submit SPEC.yaml|SPEC.json|- [--watch] [--dry-run] [--idempotency-key K]
     halfway jobs [--status S] [--owner O] [--limit N] [--cursor C]
     halfway show ID [--json]
-    halfway history ID [--after-step N] [--limit N] | --csv | --points P
+    halfway history ID [--after-step N] [--limit N] | --csv | --points P | --arrow F | --parquet F
     halfway cancel ID
     halfway logs ID [--follow]
     halfway tensorboard ID [--artifact-dir DIR]
@@ -44,6 +44,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, BinaryIO
 
 import typer
@@ -247,6 +248,16 @@ def history(
     as_csv: Annotated[
         bool, typer.Option("--csv", help="Every row as CSV (streamed) to stdout.")
     ] = False,
+    arrow: Annotated[
+        Path | None,
+        typer.Option(
+            "--arrow", help="Write every row to this file as an Arrow IPC stream.", dir_okay=False
+        ),
+    ] = None,
+    parquet: Annotated[
+        Path | None,
+        typer.Option("--parquet", help="Write every row to this Parquet file.", dir_okay=False),
+    ] = None,
     points: Annotated[
         int | None,
         typer.Option(
@@ -268,15 +279,32 @@ def history(
     token: TokenOption = None,
 ) -> None:
     """A job's per-step history: loss, loss scale and overflows."""
-    if as_csv and points is not None:
-        raise UsageError("choose one of --csv and --points")
-    if (as_csv or points is not None) and (after_step is not None or limit is not None):
-        raise UsageError("--after-step and --limit page raw rows; not with --csv or --points")
+    chosen = [
+        name
+        for name, given in (
+            ("--csv", as_csv),
+            ("--points", points is not None),
+            ("--arrow", arrow is not None),
+            ("--parquet", parquet is not None),
+        )
+        if given
+    ]
+    if len(chosen) > 1:
+        raise UsageError(f"choose one of {' and '.join(chosen)}")
+    if chosen and (after_step is not None or limit is not None):
+        raise UsageError(f"--after-step and --limit page raw rows; not with {chosen[0]}")
     ui = Ui.create()
     with connect(url, token) as client:
         if as_csv:
             stream_csv(client, job_id)
             return
+        for file, fmt in ((arrow, "arrow"), (parquet, "parquet")):
+            if file is not None:
+                size = client.download_history(job_id, fmt, file)
+                ui.out.print(
+                    f"Wrote job {job_id}'s history to {escape(str(file))} ({size:,} bytes)."
+                )
+                return
         if points is not None:
             page = client.buckets(job_id, points)
             if not page["buckets"]:

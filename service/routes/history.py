@@ -9,7 +9,7 @@ import csv
 import io
 import json
 from collections.abc import AsyncIterator, Iterator
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -26,10 +26,12 @@ from service.etag import etag_of, etag_response, respond
 from service.metrics import EVENT_STREAMS
 from service.models import FINISHED_STATUSES, ScaleEvent
 from service.pollcache import PollCache
+from service.routes import export
 from service.routes.jobs import job_out, job_snapshot
 from service.schemas import (
     BucketOut,
     BucketPage,
+    ColumnsPage,
     ComparedJob,
     Comparison,
     HistoryPage,
@@ -44,6 +46,7 @@ router = APIRouter(tags=["history"])
 
 MAX_STEP = 2**31 - 1
 MAX_POINTS = 5000
+MAX_ROWS = 10_000
 ERRORS = error_responses(401, 404, 422)
 CSV_CHUNK = 10_000
 SSE_POLL_SECONDS = 1.0
@@ -124,7 +127,7 @@ def _range(
 
 @router.get(
     "/v1/jobs/{job_id}/history",
-    response_model=HistoryPage | BucketPage,
+    response_model=HistoryPage | ColumnsPage | BucketPage,
     responses={304: {"description": "Not modified (If-None-Match)"}, **ERRORS},
 )
 async def get_history(
@@ -136,14 +139,31 @@ async def get_history(
     after_step: Annotated[
         int, Query(ge=-1, le=MAX_STEP, description="Raw rows: only steps > after_step.")
     ] = -1,
-    limit: Annotated[int, Query(ge=1, le=10_000, description="Raw rows per page.")] = 1000,
+    limit: Annotated[
+        int,
+        Query(
+            ge=1,
+            le=export.MAX_ROWS_PER_PAGE,
+            description="Raw rows per page: up to 10,000, or 1,000,000 with format=columns.",
+        ),
+    ] = 1000,
     points: Annotated[
         int | None,
         Query(ge=1, le=MAX_POINTS, description="Return at most this many buckets instead of rows."),
     ] = None,
     from_step: Annotated[int | None, Query(ge=0, le=MAX_STEP, description="Buckets: zoom.")] = None,
     to_step: Annotated[int | None, Query(ge=0, le=MAX_STEP, description="Buckets: zoom.")] = None,
+    format: Annotated[
+        Literal["rows", "columns"],
+        Query(description="Raw rows as a list of objects, or as one array per field."),
+    ] = "rows",
 ) -> Response:
+    if format == "columns" and points is None:
+        return await export.columns_page(request, db, cache, job_id, after_step, limit)
+    if points is None and limit > MAX_ROWS:
+        raise SpecError(
+            "query.limit", "range", f"at most {MAX_ROWS} rows a page without format=columns"
+        )
     # Async so that the common poll, one that already has every row as of the job's snapshot,
     # is answered on the event loop without a thread hop or a query.
     snap = cache.fresh(job_id)

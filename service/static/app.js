@@ -23,7 +23,9 @@
     // A running long job's buckets are re-read once it has advanced by a bucket's width (until
     // then only the last bucket moved), and at least this often.
     bucketRefreshMs: 10000,
-    rawPageLimit: 10000, // the API's largest page
+    // Raw rows come as columns (history?format=columns, the shape uPlot takes): one page
+    // holds every row a raw chart ever shows.
+    rawPageLimit: 50000,
     jobListLimit: 100,
     maxCompare: 10,
   };
@@ -731,7 +733,7 @@
     if (!jobChanged && !hist.hasMore) return;
     // At most a few pages per refresh, so one poll never blocks the page for long.
     for (let page = 0; page < 5; page++) {
-      const url = `/v1/jobs/${hist.jobId}/history?after_step=${hist.cursor}` +
+      const url = `/v1/jobs/${hist.jobId}/history?format=columns&after_step=${hist.cursor}` +
         `&limit=${CONFIG.rawPageLimit}`;
       const { body } = await api(url, "history");
       if (hist !== selection.hist) return;
@@ -740,7 +742,7 @@
         followRewrite(hist, body.history_version, body.history_reset_step);
         continue; // read again from the cut
       }
-      appendRows(hist.raw, body.items);
+      appendColumns(hist.raw, body);
       hist.cursor = body.next_after_step;
       hist.hasMore = body.has_more;
       if (hist.raw.steps.length > CONFIG.bucketThreshold) {
@@ -753,13 +755,13 @@
     drawRaw(hist);
   }
 
-  function appendRows(raw, items) {
-    for (const row of items) {
-      raw.steps.push(row.step);
-      // null loss (NaN/inf) stays null: a gap in the line
-      raw.loss.push(row.loss);
-      raw.scale.push(row.loss_scale);
-      raw.finite.push(row.finite);
+  function appendColumns(raw, page) {
+    // null loss (NaN/inf) stays null: a gap in the line
+    for (let i = 0; i < page.step.length; i++) {
+      raw.steps.push(page.step[i]);
+      raw.loss.push(page.loss[i]);
+      raw.scale.push(page.loss_scale[i]);
+      raw.finite.push(page.finite[i]);
     }
   }
 

@@ -1,0 +1,271 @@
+"""The history write path at real batch sizes: appending batches take the fast path on
+PostgreSQL (rollups merged, not recomputed), anything else the general one, and both leave
+exactly what a recomputation from the stored rows gives; the supervisor's flushes that do
+not wait for the disk write again whatever a database crash took back. SQLite and
+PostgreSQL."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from sqlalchemy import delete, func, select, text
+
+from service import history, ingest, jobs
+from service.db import Database
+from service.history import StepRecord
+from service.models import Job, ScaleEvent, Step, StepRollup, utcnow
+from service.settings import Settings
+from tests.conftest import Api
+from tests.test_history_queries import submit, synthetic_history, write
+from workers.supervisor import RELAXED_FLUSHES, Supervisor, _Run
+
+ROLLUP_FIELDS = (
+    "level",
+    "block",
+    "first_step",
+    "last_step",
+    "count",
+    "loss_min",
+    "loss_max",
+    "loss_last",
+    "scale_min",
+    "scale_max",
+    "scale_last",
+    "overflow_count",
+    "nonfinite_loss_count",
+)
+
+
+def _rollup_rows(s: Any, job_id: int) -> list[tuple[Any, ...]]:
+    rows = s.scalars(
+        select(StepRollup)
+        .where(StepRollup.job_id == job_id)
+        .order_by(StepRollup.level, StepRollup.block)
+    ).all()
+    return [
+        tuple(
+            "nan" if isinstance(v, float) and math.isnan(v) else v
+            for v in (getattr(r, name) for name in ROLLUP_FIELDS)
+        )
+        for r in rows
+    ]
+
+
+def rollups(db: Database, job_id: int) -> list[tuple[Any, ...]]:
+    with db.read() as s:
+        return _rollup_rows(s, job_id)
+
+
+def recomputed(db: Database, job_id: int, lo: int, hi: int) -> list[tuple[Any, ...]]:
+    """The rollups as the general path computes them from the stored rows (rolled back)."""
+    with db.write_sessions() as s, s.begin():
+        s.execute(delete(StepRollup).where(StepRollup.job_id == job_id))
+        history.refresh_rollups(s, job_id, lo, hi)
+        s.flush()
+        out = _rollup_rows(s, job_id)
+        s.rollback()
+    return out
+
+
+def events(db: Database, job_id: int) -> list[tuple[int, float, float, str]]:
+    with db.read() as s:
+        return [
+            (e.step, e.old_scale, e.new_scale, e.reason)
+            for e in s.scalars(
+                select(ScaleEvent).where(ScaleEvent.job_id == job_id).order_by(ScaleEvent.step)
+            )
+        ]
+
+
+def expected_events(records: list[StepRecord]) -> list[tuple[int, float, float, str]]:
+    return [
+        (e["step"], e["old_scale"], e["new_scale"], e["reason"])
+        for e in history.scale_events(records, None)
+    ]
+
+
+def summary(db: Database, job_id: int) -> dict[str, Any]:
+    with db.read() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        return {
+            "last_step": job.last_step,
+            "overflow_count": job.overflow_count,
+            "nonfinite_loss_count": job.nonfinite_loss_count,
+            "growth_count": job.growth_count,
+            "backoff_count": job.backoff_count,
+            "min_loss_scale": job.min_loss_scale,
+            "loss_scale": job.loss_scale,
+        }
+
+
+def expected_summary(records: list[StepRecord]) -> dict[str, Any]:
+    evs = history.scale_events(records, None)
+    return {
+        "last_step": records[-1].step,
+        "overflow_count": sum(1 for r in records if not r.finite),
+        "nonfinite_loss_count": sum(1 for r in records if not math.isfinite(r.loss)),
+        "growth_count": sum(1 for e in evs if e["reason"] == "growth"),
+        "backoff_count": sum(1 for e in evs if e["reason"] == "overflow"),
+        "min_loss_scale": min(r.loss_scale for r in records),
+        "loss_scale": records[-1].loss_scale,
+    }
+
+
+def stored_steps(db: Database, job_id: int) -> list[int]:
+    with db.read() as s:
+        return list(s.scalars(select(Step.step).where(Step.job_id == job_id).order_by(Step.step)))
+
+
+def test_the_fast_path_uses_the_rollup_grid_of_the_queries() -> None:
+    assert ingest.LEVEL_BLOCKS == history.LEVEL_BLOCKS
+    assert ingest.FLOAT32_MAX == history.FLOAT32_MAX
+
+
+def test_appended_batches_leave_every_rollup_level_as_a_recomputation_would(
+    api: Api, db: Database
+) -> None:
+    job_id = submit(api)
+    # Across a level-2 block edge (262144), in batches that straddle every level's edges.
+    records = synthetic_history(9000, seed=11, start=262144 - 4500)
+    write(db, job_id, records[:4500], batch=333)
+    write(db, job_id, records[4500:], batch=ingest.COPY_ROWS + 1)  # rows by COPY
+    assert rollups(db, job_id) == recomputed(db, job_id, records[0].step, records[-1].step)
+    with db.read() as s:  # NaN is stored as NULL, +/-inf as themselves, on every path
+        null_losses = s.scalar(
+            select(func.count()).where(Step.job_id == job_id, Step.loss.is_(None))
+        )
+        infinite = s.scalars(
+            select(Step.loss).where(Step.job_id == job_id, Step.loss.in_([math.inf, -math.inf]))
+        ).all()
+    assert null_losses == sum(1 for r in records if math.isnan(r.loss)) > 0
+    assert sorted(infinite) == sorted(r.loss for r in records if math.isinf(r.loss))
+    assert len(infinite) > 0
+    assert events(db, job_id) == expected_events(records)
+    assert summary(db, job_id) == expected_summary(records)
+
+
+def test_a_batch_overlapping_stored_rows_changes_nothing_twice(api: Api, db: Database) -> None:
+    job_id = submit(api)
+    records = synthetic_history(1500, seed=12)
+    write(db, job_id, records[:700], batch=333)
+    write(db, job_id, records[600:1200], batch=600)  # 100 rows stored already, 500 new
+    write(db, job_id, records[1100:], batch=1000)
+    write(db, job_id, records[1400:], batch=1000)  # resent whole
+    assert stored_steps(db, job_id) == [r.step for r in records]
+    assert rollups(db, job_id) == recomputed(db, job_id, 0, 1499)
+    assert events(db, job_id) == expected_events(records)
+    assert summary(db, job_id) == expected_summary(records)
+
+
+def test_a_scale_change_on_the_first_step_of_a_batch_is_an_event(api: Api, db: Database) -> None:
+    job_id = submit(api)
+    records = [StepRecord(s, 0, 1.0, 1024.0 if s < 333 else 512.0, s != 332) for s in range(666)]
+    write(db, job_id, records, batch=333)
+    assert events(db, job_id) == [(333, 1024.0, 512.0, "overflow")]
+    assert summary(db, job_id)["backoff_count"] == 1
+
+
+def claimed(db: Database, api: Api, worker_id: str) -> int:
+    job_id = submit(api)
+    with db.write() as s:
+        claim = jobs.claim_next(s, worker_id=worker_id, lease_seconds=30, gpus_held=0)
+        assert claim is not None and claim.job_id == job_id
+    return job_id
+
+
+def test_renew_and_load_is_fenced_like_the_lease_renewal(api: Api, db: Database) -> None:
+    job_id = claimed(db, api, "w1")
+    with db.write() as s:
+        job = jobs.renew_and_load(s, job_id=job_id, worker_id="w1", lease_seconds=30)
+        assert job is not None and job.id == job_id and job.worker_id == "w1"
+        assert job.cancel_requested is False
+    with db.write() as s:
+        assert jobs.renew_and_load(s, job_id=job_id, worker_id="w2", lease_seconds=30) is None
+
+
+def test_rows_a_database_crash_took_back_are_written_again_by_the_next_flush(
+    api: Api, db: Database, settings: Settings
+) -> None:
+    job_id = claimed(db, api, "w1")
+    supervisor = Supervisor(db, settings, worker_id="w1")
+    run = _Run(job_id=job_id, attempt=1)
+    records = synthetic_history(3000, seed=13)
+    run.pending = records[:1000]
+    assert supervisor._sync(run)
+    run.pending = records[1000:2000]
+    assert supervisor._sync(run)
+    assert run.unsynced == records[:2000] and run.relaxed_flushes == 2
+    # What a crash leaves when the last commits had not reached the disk: the database as it
+    # was before them.
+    with db.write() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        history.truncate_after(s, job, 1500)
+    run.pending = records[2000:]
+    assert supervisor._sync(run)
+    assert stored_steps(db, job_id) == list(range(3000))
+    assert summary(db, job_id) == expected_summary(records)
+    assert rollups(db, job_id) == recomputed(db, job_id, 0, 2999)
+    assert events(db, job_id) == expected_events(records)
+
+
+def test_every_few_flushes_one_waits_for_the_disk_and_forgets_the_kept_rows(
+    api: Api, db: Database, settings: Settings
+) -> None:
+    job_id = claimed(db, api, "w1")
+    supervisor = Supervisor(db, settings, worker_id="w1")
+    run = _Run(job_id=job_id, attempt=1)
+    records = synthetic_history(10 * (RELAXED_FLUSHES + 1), seed=14)
+    for i in range(RELAXED_FLUSHES):
+        run.pending = records[i * 10 : (i + 1) * 10]
+        assert supervisor._sync(run)
+    assert len(run.unsynced) == RELAXED_FLUSHES * 10
+    run.pending = records[RELAXED_FLUSHES * 10 :]
+    assert supervisor._sync(run)
+    assert run.unsynced == [] and run.relaxed_flushes == 0
+    # A flush that carries more than history (here: an acknowledged checkpoint) waits too.
+    run.pending = synthetic_history(10, seed=15, start=len(records))
+    assert supervisor._sync(run) and run.relaxed_flushes == 1
+    run.pending = synthetic_history(10, seed=16, start=len(records) + 10)
+    run.updates = {"checkpoint_step": len(records)}
+    assert supervisor._sync(run)
+    assert run.unsynced == [] and run.relaxed_flushes == 0
+    assert stored_steps(db, job_id) == list(range(len(records) + 20))
+
+
+@pytest.mark.parametrize("batch", [333, ingest.COPY_ROWS])
+def test_an_appending_batch_that_meets_a_stored_row_after_all_is_written_exactly(
+    api: Api, db: Database, batch: int
+) -> None:
+    job_id = submit(api)
+    records = synthetic_history(2000, seed=17)
+    write(db, job_id, records[:1000])
+    stray = records[1005]  # stored behind the summary's back (its own values)
+    with db.write() as s:
+        s.add(Step(job_id=job_id, **stray._asdict()))
+    write(db, job_id, records[1000:], batch=batch)
+    assert stored_steps(db, job_id) == list(range(2000))
+    assert rollups(db, job_id) == recomputed(db, job_id, 0, 1999)
+    assert events(db, job_id) == expected_events(records)
+    assert summary(db, job_id) == expected_summary(records)
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_write_that_need_not_be_durable_commits_without_waiting_for_the_disk(
+    api: Api, db: Database, durable: bool
+) -> None:
+    job_id = submit(api)
+    records = synthetic_history(600, seed=18)
+    for batch in (records[:300], records[300:], records[200:400]):  # appends, then a resend
+        with db.write() as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            history.write_steps(s, job, batch, now=utcnow(), durable=durable)
+            if db.dialect == "postgresql":
+                setting = s.execute(text("SHOW synchronous_commit")).scalar()
+                assert setting == ("on" if durable else "off")
+    assert stored_steps(db, job_id) == list(range(600))
+    assert summary(db, job_id) == expected_summary(records)
