@@ -73,7 +73,8 @@ def _attempt_of_a_plan(payload: dict[str, Any], conn: Connection, plan: list[Any
 def plan_in_data_dir(payload: dict[str, Any], conn: Connection) -> None:
     """``_attempt_of_a_plan`` for jobs submitted through the API (whose specs cannot carry a
     ``fake`` section): the plan is ``fake-plan.json`` in the worker's data directory."""
-    plan = json.loads((Path(payload["data_dir"]) / "fake-plan.json").read_text())
+    # The worker's local data directory (the tests that use this run on a file store).
+    plan = json.loads((Path(payload["storage"]["data_dir"]) / "fake-plan.json").read_text())
     _attempt_of_a_plan(payload, conn, plan)
 
 

@@ -25,6 +25,7 @@ from service.client import (
     Unreachable,
 )
 from service.history import StepRecord
+from service.models import float32
 from tests.live import Live, free_port
 from tests.test_client_cli import TINY, finish_directly, records_with_overflows
 from workers.supervisor import Supervisor
@@ -117,7 +118,8 @@ def test_each_failure_is_its_typed_exception_with_the_cli_exit_code(live: Live) 
 
 
 def test_history_of_a_finished_job_has_every_row_with_nan_and_inf_as_floats(live: Live) -> None:
-    records = records_with_overflows(30)
+    # Losses as the worker sends them: float32 values (the table's REAL).
+    records = [r._replace(loss=float32(r.loss)) for r in records_with_overflows(30)]
     records[9] = StepRecord(9, 0, math.inf, records[9].loss_scale, True)
     records[10] = StepRecord(10, 0, -math.inf, records[10].loss_scale, True)
     job_id = live.submit(TINY)
