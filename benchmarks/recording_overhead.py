@@ -54,9 +54,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from service.normalization import normalize
 from service.schemas import JobSpec
 from service.settings import Settings
-from service.specs import normalize
 from workers import data as data_mod
 from workers.builders import build_model
 from workers.checkpointer import Checkpointer

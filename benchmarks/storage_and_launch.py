@@ -59,9 +59,9 @@ def moto() -> tuple[subprocess.Popen[bytes], str]:
 
 
 def example_spec(tmp: Path) -> dict[str, Any]:
+    from service.normalization import normalize
     from service.schemas import JobSpec
     from service.settings import Settings
-    from service.specs import normalize
 
     body = json.loads((ROOT / "examples" / "classic.json").read_text())
     spec: dict[str, Any] = normalize(

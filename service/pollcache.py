@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.etag import etag_of, serialize
-from service.schemas import JobOut
+from service.responses import JobOut
 
 
 @dataclass(frozen=True)

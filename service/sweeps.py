@@ -11,10 +11,11 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import jobs, specs
+from service import jobs, normalization
 from service.errors import FieldErrors, NotFound, SpecError
 from service.models import FINISHED_STATUSES, Job, Sweep
-from service.schemas import JobSpec, SweepOut, SweepSpec, VariantResult, json_float
+from service.responses import SweepOut, VariantResult, json_float
+from service.schemas import JobSpec, SweepSpec
 from service.settings import Settings
 
 
@@ -46,7 +47,7 @@ def create_sweep(
     for i, variant in enumerate(sweep.variants):
         raw = variant_spec(sweep.base, variant, i, sweep.target_loss)
         try:
-            submitted.append(specs.normalize(JobSpec.model_validate(raw), settings))
+            submitted.append(normalization.normalize(JobSpec.model_validate(raw), settings))
         except ValidationError as exc:
             problems += _fields(exc, f"variants.{i}")
         except SpecError as exc:

@@ -9,7 +9,7 @@ from service import history
 from service.db import Database
 from service.history import StepRecord
 from service.models import Job, utcnow
-from service.schemas import HistoryPage
+from service.responses import HistoryPage
 from tests.conftest import Api, Team
 from tests.waiting import eventually
 

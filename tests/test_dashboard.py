@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from playwright.sync_api import Browser, Page, Request, Response, expect, sync_playwright
 
-from service import history, jobs, specs
+from service import history, jobs, normalization
 from service.app import create_app
 from service.db import Database
 from service.history import StepRecord
@@ -165,7 +165,7 @@ def add_job(
         job = jobs.create_job(
             session,
             owner=owner,
-            submitted=specs.normalize(JobSpec(name=name), settings),
+            submitted=normalization.normalize(JobSpec(name=name), settings),
             now=utcnow(),
         )
         job.status = status

@@ -23,7 +23,7 @@ from service.app import create_app
 from service.db import Database
 from service.history import StepRecord
 from service.models import Job, float32
-from service.schemas import ColumnsPage, HistoryPage
+from service.responses import ColumnsPage, HistoryPage
 from service.settings import Settings
 from tests.conftest import Api, Team
 from tests.test_history_queries import submit, synthetic_history, write

@@ -18,8 +18,8 @@ from service import history
 from service.db import Database
 from service.history import StepRecord
 from service.models import Job, StepRollup, utcnow
+from service.responses import BucketPage
 from service.routes import history as history_routes
-from service.schemas import BucketPage
 from tests.conftest import Api
 
 

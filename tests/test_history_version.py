@@ -19,8 +19,8 @@ from service import history
 from service.db import Database
 from service.history import StepRecord
 from service.models import Job
+from service.responses import BucketPage, HistoryPage
 from service.routes import history as history_routes
-from service.schemas import BucketPage, HistoryPage
 from service.settings import Settings
 from tests import fakes
 from tests.conftest import Api, Team

@@ -18,8 +18,8 @@ from service import jobs
 from service.app import create_app
 from service.db import Database
 from service.pollcache import PollCache, Snapshot
+from service.responses import JobOut
 from service.routes.jobs import job_out
-from service.schemas import JobOut
 from service.settings import Settings
 from tests.conftest import Api, Team
 from tests.live import free_port

@@ -17,9 +17,9 @@ import pytest
 
 from service import code
 from service.client.codepack import pack
+from service.normalization import normalize
 from service.schemas import JobSpec
 from service.settings import Settings
-from service.specs import normalize
 from tests.training_runs import Run
 from workers.context import RunContext
 from workers.protocol import JobError, Message

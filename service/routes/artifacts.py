@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from service import jobs
 from service.deps import JobId, PrincipalDep, SessionDep, SettingsDep
 from service.errors import NotFound
-from service.schemas import error_responses
+from service.responses import error_responses
 from service.storage import Store, open_storage
 
 router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 from service import code, grants
 from service.deps import PrincipalDep, SessionDep, SettingsDep
-from service.schemas import ErrorOut, error_responses
+from service.responses import ErrorOut, error_responses
 from service.settings import Settings
 
 router = APIRouter(prefix="/v1/code", tags=["code"])

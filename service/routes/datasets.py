@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from service import datasets
 from service.deps import PrincipalDep, SettingsDep
 from service.errors import NotFound
-from service.schemas import ErrorOut, error_responses
+from service.responses import ErrorOut, error_responses
 from service.storage import StorageError, check_key, open_storage
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])

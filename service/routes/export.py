@@ -19,8 +19,8 @@ from service.deps import DbDep, JobId, PrincipalDep
 from service.errors import SpecError
 from service.etag import etag_of, respond
 from service.pollcache import PollCache
+from service.responses import error_responses
 from service.routes.jobs import job_snapshot
-from service.schemas import error_responses
 
 router = APIRouter(tags=["history"])
 

@@ -26,9 +26,7 @@ from service.etag import etag_of, etag_response, respond
 from service.metrics import EVENT_STREAMS
 from service.models import FINISHED_STATUSES, ScaleEvent
 from service.pollcache import PollCache
-from service.routes import export
-from service.routes.jobs import job_out, job_snapshot
-from service.schemas import (
+from service.responses import (
     BucketOut,
     BucketPage,
     ColumnsPage,
@@ -41,6 +39,8 @@ from service.schemas import (
     json_float,
     loss_flag,
 )
+from service.routes import export
+from service.routes.jobs import job_out, job_snapshot
 
 router = APIRouter(tags=["history"])
 

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 from sqlalchemy.exc import IntegrityError
 
-from service import grants, jobs, specs
+from service import grants, jobs, normalization
 from service.auth import require_owner_or_admin
 from service.db import Database
 from service.deps import (
@@ -28,18 +28,16 @@ from service.errors import Conflict
 from service.etag import etag_response, respond
 from service.models import Job, utcnow
 from service.pollcache import PollCache, Snapshot
-from service.schemas import (
+from service.responses import (
     JobOut,
     JobPage,
-    JobSpec,
     Progress,
-    StrictModel,
-    SubmitResult,
     Summary,
     error_responses,
     json_float,
     loss_flag,
 )
+from service.schemas import JobSpec, StrictModel, SubmitResult
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -122,7 +120,7 @@ def submit_job(
 ) -> Response:
     if spec.code is not None:
         grants.require_code_right(session, principal, settings.code_jobs)
-    submitted = specs.normalize(spec, settings)
+    submitted = normalization.normalize(spec, settings)
     if dry_run:
         return JSONResponse(submitted.model_dump(mode="json"), status_code=200)
     body_hash = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()

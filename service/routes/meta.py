@@ -7,7 +7,7 @@ from sqlalchemy import text
 
 from service.deps import DbDep, PrincipalDep
 from service.policies import POLICIES
-from service.schemas import PolicyOut, error_responses
+from service.responses import PolicyOut, error_responses
 from service.vocabulary import vocabulary
 
 router = APIRouter(tags=["meta"])

@@ -8,7 +8,8 @@ from fastapi import APIRouter
 from service import grants, sweeps
 from service.deps import PrincipalDep, SessionDep, SettingsDep, SweepId, WriteSessionDep
 from service.models import utcnow
-from service.schemas import SweepOut, SweepSpec, error_responses
+from service.responses import SweepOut, error_responses
+from service.schemas import SweepSpec
 
 router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
 

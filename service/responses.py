@@ -1,0 +1,293 @@
+"""What the API answers: jobs and their summaries, history pages (rows, columns, buckets),
+scale events, comparisons, sweeps, policies and errors. Built from ORM rows and domain
+results; what users write (the job spec) is in service/schemas.py."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    Field,
+)
+
+
+def loss_flag(value: float | None) -> Literal["nan", "inf", "-inf"] | None:
+    """JSON has no NaN: a non-finite float goes out as null plus this flag."""
+    if value is None or math.isfinite(value):
+        return None
+    if math.isnan(value):
+        return "nan"
+    return "inf" if value > 0 else "-inf"
+
+
+def json_float(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+class Progress(BaseModel):
+    step: int | None = Field(description="Steps done (last step + 1).")
+    total_steps: int | None
+    fraction: float | None
+    epoch: int | None
+
+
+class Summary(BaseModel):
+    last_step: int | None
+    last_loss: float | None
+    last_loss_nonfinite: Literal["nan", "inf", "-inf"] | None
+    loss_scale: float | None
+    min_loss_scale: float | None
+    overflow_count: int = Field(description="Steps whose gradients were not all finite.")
+    growth_count: int = Field(description="Times the loss scale grew.")
+    backoff_count: int = Field(description="Times the loss scale backed off.")
+    nonfinite_loss_count: int
+    steps_per_second: float | None
+    guard_warning: str | None
+    checkpoint_step: int | None
+    metrics: dict[str, Any]
+
+
+class JobOut(BaseModel):
+    id: int
+    name: str
+    owner: str
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    priority: int
+    attempt: int
+    max_attempts: int
+    worker_id: str | None
+    cancel_requested: bool
+    error: str | None
+    attempt_errors: list[Any]
+    warnings: list[str]
+    notes: list[str]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    progress: Progress
+    summary: Summary
+    sweep_id: int | None
+    precision_report: list[dict[str, Any]] = Field(
+        description="Per layer: class, policy, variable, compute and output dtype, parameters."
+    )
+    forensics: list[dict[str, Any]] = Field(
+        description="On the first non-finite steps: the step, loss, scale and the variables "
+        "whose gradients were not finite."
+    )
+    device: dict[str, Any] = Field(description="Where it trained: GPUs, replicas, XLA, ...")
+    spec: dict[str, Any]
+    history_version: int = Field(
+        description="Moves on each time a resume replaces recorded steps. A client holding "
+        "rows of the version before starts again from history_reset_step; of an older one, "
+        "from step 0."
+    )
+    history_reset_step: int | None = Field(
+        description="The first step the latest rewrite replaced (null: never rewritten)."
+    )
+
+
+class JobPage(BaseModel):
+    items: list[JobOut]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next (older) page.")
+
+
+class StepOut(BaseModel):
+    step: int
+    epoch: int
+    loss: float | None
+    loss_nonfinite: Literal["nan", "inf", "-inf"] | None
+    loss_scale: float
+    finite: bool
+
+
+class HistoryPage(BaseModel):
+    job_id: int
+    status: str
+    items: list[StepOut]
+    next_after_step: int | None = Field(
+        description="Pass as ?after_step= to get only newer rows (a polling cursor)."
+    )
+    has_more: bool
+    history_version: int = Field(
+        description="Moves on each time a resume replaces recorded steps. A client holding "
+        "rows of the version before starts again from history_reset_step; of an older one, "
+        "from step 0."
+    )
+    history_reset_step: int | None = Field(
+        description="The first step the latest rewrite replaced (null: never rewritten)."
+    )
+
+
+class PolicyOut(BaseModel):
+    name: str
+    variable_dtype: str
+    compute_dtype: str
+    loss_scaling_advised: bool
+    note: str
+
+
+class ErrorField(BaseModel):
+    field: str
+    rule: str
+    message: str
+
+
+class ErrorOut(BaseModel):
+    error: str = Field(description="A stable code: validation_error, not_found, conflict, ...")
+    message: str
+    fields: list[ErrorField] = Field(
+        description="For invalid input: each field (a dotted path, or 'body') and the rule it "
+        "broke. Empty for other errors."
+    )
+
+
+ERROR_DESCRIPTIONS = {
+    401: "Missing or invalid token",
+    403: "Not allowed: only the job's owner or an admin may change a job, and only users "
+    "with the right to run code (HALFWAY_CODE_JOBS) may upload or submit code",
+    404: "No such job or sweep",
+    409: "Conflicts with the resource's state",
+    413: "Request body over the server's limit",
+    422: "Invalid input; names each field and the rule it broke",
+    429: "Too many failed authentications from this address; see Retry-After",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses, all with the ErrorOut body. Where a token
+    is checked (401), so is the failed-authentication limit (429)."""
+    if 401 in codes:
+        codes = (*codes, 429)
+    out: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorOut, "description": ERROR_DESCRIPTIONS[code]} for code in codes
+    }
+    if 429 in out:
+        out[429]["headers"] = {
+            "Retry-After": {"description": "Seconds to wait", "schema": {"type": "integer"}}
+        }
+    return out
+
+
+class BucketOut(BaseModel):
+    index: int = Field(description="Bucket number on the grid (see BucketPage.width).")
+    first_step: int
+    last_step: int
+    count: int = Field(description="Steps recorded in the bucket.")
+    loss_min: float | None = Field(description="Over the bucket's finite losses.")
+    loss_max: float | None
+    loss_last: float | None
+    loss_last_nonfinite: Literal["nan", "inf", "-inf"] | None
+    scale_min: float
+    scale_max: float
+    scale_last: float
+    overflow_count: int = Field(description="Steps whose gradients were not all finite.")
+    nonfinite_loss_count: int
+
+
+class BucketPage(BaseModel):
+    job_id: int
+    status: str
+    from_step: int
+    to_step: int
+    points: int = Field(description="Buckets asked for; at most this many are returned.")
+    width: int = Field(description="Steps per bucket (the last one may hold fewer).")
+    origin: int = Field(description="Bucket i starts at step origin + i * width.")
+    buckets: list[BucketOut] = Field(description="Non-empty buckets, in step order.")
+    history_version: int = Field(
+        description="Moves on each time a resume replaces recorded steps. A client holding "
+        "rows of the version before starts again from history_reset_step; of an older one, "
+        "from step 0."
+    )
+    history_reset_step: int | None = Field(
+        description="The first step the latest rewrite replaced (null: never rewritten)."
+    )
+
+
+class ColumnsPage(BaseModel):
+    """``history?format=columns``: the rows as one array per field (the shape chart libraries
+    take), in step order."""
+
+    job_id: int
+    status: str
+    step: list[int]
+    epoch: list[int]
+    loss: list[float | None] = Field(description="null where loss_nonfinite says why.")
+    loss_nonfinite: list[Literal["nan", "inf", "-inf"] | None]
+    loss_scale: list[float]
+    finite: list[bool]
+    next_after_step: int | None = Field(
+        description="Pass as ?after_step= to get only newer rows (a polling cursor)."
+    )
+    has_more: bool
+    history_version: int = Field(description="As in a row page: moves on with each rewrite.")
+    history_reset_step: int | None = Field(
+        description="The first step the latest rewrite replaced (null: never rewritten)."
+    )
+
+
+class ScaleEventOut(BaseModel):
+    step: int = Field(description="The first step that used the new scale.")
+    old_scale: float
+    new_scale: float
+    reason: Literal["overflow", "growth"]
+
+
+class ScaleEventPage(BaseModel):
+    job_id: int
+    items: list[ScaleEventOut]
+    next_after_step: int | None
+    has_more: bool
+    overflow_events: int = Field(description="Back-offs over the whole job.")
+    growth_events: int = Field(description="Growths over the whole job.")
+
+
+class ComparedJob(BaseModel):
+    job_id: int
+    name: str
+    status: str
+    policy: str
+    buckets: list[BucketOut]
+    history_version: int
+
+
+class Comparison(BaseModel):
+    from_step: int
+    to_step: int
+    points: int
+    width: int
+    origin: int
+    jobs: list[ComparedJob] = Field(description="Every job on the same bucket grid.")
+
+
+class VariantResult(BaseModel):
+    job_id: int
+    name: str
+    status: str
+    error: str | None
+    policy: str
+    loss_scale_mode: str
+    examples_per_second: float | None
+    median_step_seconds: float | None = Field(description="Median after warm-up.")
+    speedup_vs_float32: float | None
+    time_to_target_seconds: float | None
+    step_to_target: int | None
+    final_loss: float | None = Field(description="The last epoch's mean training loss.")
+    final_metrics: dict[str, float] = Field(description="The last epoch's metrics.")
+    overflow_count: int
+    skipped_steps: int = Field(description="Updates skipped because gradients were not finite.")
+    final_loss_scale: float | None
+    min_loss_scale: float | None
+    peak_memory_bytes: float | None = Field(description="Where the device reports it (GPUs).")
+
+
+class SweepOut(BaseModel):
+    id: int
+    name: str
+    owner: str
+    created_at: datetime
+    target_loss: float | None
+    done: bool
+    variants: list[VariantResult]
