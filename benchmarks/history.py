@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 from sqlalchemy import text
 
-from service import auth, history, jobs, migrate
+from service import auth, jobs, migrate, rollups
 from service.db import Database
 from service.history import StepRecord
 from service.models import utcnow
@@ -335,15 +335,15 @@ def bench(url: str, steps: int, repeat: int, points: int) -> None:
             )
             row("304 poll of the job, HTTP", f"{timed(poll, repeat * 5) * 1000:.2f} ms")
 
-        grid = history.grid_for(0, hi, points)
+        grid = rollups.grid_for(0, hi, points)
 
         def from_rollups() -> Any:
             with db.read() as s:
-                return history.buckets(s, job_id, lo=0, hi=hi, points=points)
+                return rollups.buckets(s, job_id, lo=0, hi=hi, points=points)
 
         def from_rows() -> Any:
             with db.read() as s:
-                return history._raw_groups(s, job_id, 0, hi, grid)
+                return rollups._raw_groups(s, job_id, 0, hi, grid)
 
         a = {b.index: (b.first_step, b.last_step, b.count) for b in from_rollups()}
         b = {k: (g.first_step, g.last_step, g.count) for k, g in from_rows().items()}

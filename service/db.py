@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, Table, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -115,3 +116,17 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def upsert(session: Session, table: Table, rows: list[dict[str, Any]], keys: list[str]) -> None:
+    """INSERT ... ON CONFLICT (keys) DO UPDATE, in either dialect's form."""
+    if not rows:
+        return
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    stmt = insert(table)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=keys,
+        set_={c.name: stmt.excluded[c.name] for c in table.columns if c.name not in keys},
+    )
+    session.execute(stmt, rows)

@@ -31,17 +31,14 @@ import psycopg
 from psycopg.adapt import Dumper
 from sqlalchemy.orm.attributes import set_committed_value
 
-from service.models import Job, float32
+from service.models import FLOAT32_MAX, Job, float32
+from service.rollups import LEVEL_BLOCKS
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from service.history import StepRecord
 
-# Steps per rollup block, by level (``history.LEVEL_BLOCKS``; restated to keep this module
-# free of an import cycle, and checked equal by the tests).
-LEVEL_BLOCKS = (64, 4096, 262144)
-FLOAT32_MAX = 3.4028234663852886e38
 
 _MERGE_COLUMNS = (
     "level",

@@ -60,6 +60,10 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+# The largest finite float32: a stored loss beyond it (or NULL, which is NaN) is non-finite.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def float32(value: float) -> float:
     """The nearest float32, as a Python float. PostgreSQL sends a REAL as its shortest decimal
     text ("4.0597076"), which is not the float32 value as a double; rounding restores it."""

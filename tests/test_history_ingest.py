@@ -16,6 +16,7 @@ from service import history, ingest, jobs
 from service.db import Database
 from service.history import StepRecord
 from service.models import Job, ScaleEvent, Step, StepRollup, utcnow
+from service.rollups import refresh_rollups
 from service.settings import Settings
 from tests.conftest import Api
 from tests.test_history_queries import submit, synthetic_history, write
@@ -62,7 +63,7 @@ def recomputed(db: Database, job_id: int, lo: int, hi: int) -> list[tuple[Any, .
     """The rollups as the general path computes them from the stored rows (rolled back)."""
     with db.write_sessions() as s, s.begin():
         s.execute(delete(StepRollup).where(StepRollup.job_id == job_id))
-        history.refresh_rollups(s, job_id, lo, hi)
+        refresh_rollups(s, job_id, lo, hi)
         s.flush()
         out = _rollup_rows(s, job_id)
         s.rollback()
@@ -117,11 +118,6 @@ def expected_summary(records: list[StepRecord]) -> dict[str, Any]:
 def stored_steps(db: Database, job_id: int) -> list[int]:
     with db.read() as s:
         return list(s.scalars(select(Step.step).where(Step.job_id == job_id).order_by(Step.step)))
-
-
-def test_the_fast_path_uses_the_rollup_grid_of_the_queries() -> None:
-    assert ingest.LEVEL_BLOCKS == history.LEVEL_BLOCKS
-    assert ingest.FLOAT32_MAX == history.FLOAT32_MAX
 
 
 def test_appended_batches_leave_every_rollup_level_as_a_recomputation_would(

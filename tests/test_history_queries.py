@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from service import history
+from service import history, rollups
 from service.db import Database
 from service.history import StepRecord
 from service.models import Job, StepRollup, utcnow
@@ -131,7 +131,7 @@ def test_buckets_equal_brute_force_on_every_grid(api: Api, db: Database, points:
     write(db, job_id, records)
     page = check_buckets(api, job_id, records, points)
     if points == 7:  # wide buckets: served from level-0 rollups
-        assert page["width"] % history.LEVEL_BLOCKS[0] == 0
+        assert page["width"] % rollups.LEVEL_BLOCKS[0] == 0
 
 
 def test_zoomed_ranges_with_unaligned_edges_equal_brute_force(api: Api, db: Database) -> None:
@@ -153,7 +153,7 @@ def test_every_rollup_level_agrees_with_brute_force(api: Api, db: Database) -> N
     records = synthetic_history(10_000, seed=11)
     write(db, job_id, records, batch=2500)
     page = check_buckets(api, job_id, records, 2)  # width >= 4096: level-1 rollups
-    assert page["width"] % history.LEVEL_BLOCKS[1] == 0
+    assert page["width"] % rollups.LEVEL_BLOCKS[1] == 0
     check_buckets(api, job_id, records, 3, 77, 9_876)
 
 

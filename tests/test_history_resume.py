@@ -15,10 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
-from service import history
+from service import history, rollups
 from service.db import Database
-from service.history import LEVEL_BLOCKS, StepRecord
+from service.history import StepRecord
 from service.models import Job, ScaleEvent, StepRollup
+from service.rollups import LEVEL_BLOCKS
 from tests.conftest import Api
 from tests.test_history_queries import brute_force, check_buckets, submit, synthetic_history, write
 
@@ -209,10 +210,10 @@ def test_random_writes_and_cuts_keep_rollups_equal_to_brute_force(
         if kept:
             assert span == (kept[0].step, kept[-1].step)
             for points in (1, 3, 40):
-                grid = history.grid_for(span[0], span[1], points)
+                grid = rollups.grid_for(span[0], span[1], points)
                 got = {
                     b.index: b
-                    for b in history.buckets(s, job_id, lo=span[0], hi=span[1], points=points)
+                    for b in rollups.buckets(s, job_id, lo=span[0], hi=span[1], points=points)
                 }
                 want = brute_force(kept, span[0], span[1], grid.origin, grid.width)
                 assert sorted(got) == sorted(want)

@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import history, jobs
+from service import history, jobs, rollups
 from service.authcache import still_valid
 from service.db import Database
 from service.deps import ID_PATTERN, MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
@@ -89,7 +89,7 @@ def page_body(
     return json.dumps(page, separators=(",", ":"), allow_nan=False).encode()
 
 
-def bucket_dict(b: history.Bucket) -> dict[str, Any]:
+def bucket_dict(b: rollups.Bucket) -> dict[str, Any]:
     """A BucketOut as a plain dict (a page holds thousands; see page_body)."""
     return {
         "index": b.index,
@@ -108,7 +108,7 @@ def bucket_dict(b: history.Bucket) -> dict[str, Any]:
     }
 
 
-def bucket_out(b: history.Bucket) -> BucketOut:
+def bucket_out(b: rollups.Bucket) -> BucketOut:
     return BucketOut(**bucket_dict(b))
 
 
@@ -235,8 +235,8 @@ def _history_in(
         return respond(request, body, etag_of(body, version[0]))
     span = _range(session, job_id, from_step, to_step)
     lo, hi = span if span is not None else (from_step or 0, to_step or 0)
-    grid = history.grid_for(lo, max(lo, hi), points)
-    found = history.buckets(session, job_id, lo=lo, hi=hi, points=points) if span else []
+    grid = rollups.grid_for(lo, max(lo, hi), points)
+    found = rollups.buckets(session, job_id, lo=lo, hi=hi, points=points) if span else []
     page = {
         "job_id": job_id,
         "status": job.status,
@@ -492,7 +492,7 @@ def compare_history(
     lo = from_step if from_step is not None else min((r[0] for r in ranges), default=0)
     hi = to_step if to_step is not None else max((r[1] for r in ranges), default=lo)
     hi = max(lo, hi)
-    grid = history.grid_for(lo, hi, points)
+    grid = rollups.grid_for(lo, hi, points)
     comparison = Comparison(
         from_step=lo,
         to_step=hi,
@@ -508,7 +508,7 @@ def compare_history(
                 history_version=j.history_version,
                 buckets=[
                     bucket_out(b)
-                    for b in history.buckets(session, j.id, lo=lo, hi=hi, points=points)
+                    for b in rollups.buckets(session, j.id, lo=lo, hi=hi, points=points)
                 ],
             )
             for j in found
