@@ -46,15 +46,24 @@ def _links(paths: dict[str, Any], job_id: str) -> dict[str, Any]:
     return links
 
 
+def _input(schemas: dict[str, Any], name: str) -> str:
+    """The component of a model as a request body takes it: pydantic names it ``NAME-Input``
+    when the model serializes differently from how it validates (JobSpec drops what a code
+    job does not have)."""
+    return f"{name}-Input" if f"{name}-Input" in schemas else name
+
+
 def tighten(document: dict[str, Any]) -> dict[str, Any]:
     """Idempotent: FastAPI regenerates the document when routes change."""
     schemas = document["components"]["schemas"]
     schemas["SweepSpec"]["properties"]["base"] = {
-        **_ref("JobSpec"),
+        **_ref(_input(schemas, "JobSpec")),
         "description": schemas["SweepSpec"]["properties"]["base"].get("description", ""),
     }
     for section, model in (("precision", "PrecisionSpec"), ("loss_scale", "LossScaleSpec")):
-        schemas["VariantSpec"]["properties"][section] = {"anyOf": [_ref(model), {"type": "null"}]}
+        schemas["VariantSpec"]["properties"][section] = {
+            "anyOf": [_ref(_input(schemas, model)), {"type": "null"}]
+        }
     paths = document["paths"]
     created_job = paths["/v1/jobs"]["post"]["responses"]["201"]
     created_job["links"] = _links(paths, "$response.body#/id")

@@ -159,3 +159,26 @@ def test_compare_history_job_ids_follow_the_documented_pattern(
     assert r.status_code == status, r.text
     if status == 422:
         assert r.json()["fields"][0]["field"] in ("job_ids", "query.job_ids")
+
+
+def test_every_reference_in_the_openapi_document_resolves(api: Api) -> None:
+    """A dangling $ref makes a generator send no body at all (the sweep's base once pointed
+    at JobSpec after pydantic had split it into JobSpec-Input and JobSpec-Output)."""
+    document = api.client.get("/openapi.json").json()
+    refs: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                refs.append(node["$ref"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(document)
+    assert refs
+    schemas = document["components"]["schemas"]
+    missing = sorted({r for r in refs if r.removeprefix("#/components/schemas/") not in schemas})
+    assert missing == []
