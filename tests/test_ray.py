@@ -206,7 +206,13 @@ def test_a_job_whose_node_dies_is_requeued_and_resumes_from_the_store(
             "checkpoint_every": 200,
         },
         "loss_scale": {"growth_steps": 150},
-        "faults": {"nonfinite_at_steps": [30, 700, 701]},
+        # The first attempt stops at step 505, past the checkpoint at 400, so the node is
+        # removed while it still runs however fast the machine is; the resumed attempt goes on.
+        "faults": {
+            "nonfinite_at_steps": [30, 700, 701],
+            "hang_at_step": 505,
+            "crash_attempts": [1],
+        },
     }
     job_id = ray_api.post("/v1/jobs", json=spec).json()["id"]
     total = 12 * 100
