@@ -22,6 +22,7 @@ from service.authcache import AuthCache, FailureLimiter
 from service.columnar import EXPORT_MEDIA_TYPES
 from service.db import Database
 from service.errors import HalfwayError, SpecError, TooManyRequests
+from service.leanpolls import GZIP_LEVEL, GZIP_MINIMUM_SIZE, LeanPolls
 from service.metrics import MetricsRegistry, ObserveRequests, metrics_response
 from service.pollcache import PollCache
 from service.routes import (
@@ -305,8 +306,8 @@ def create_app(
     # stream a few times (Parquet is compact already) but take longer than sending it on a LAN.
     app.add_middleware(
         GZipMiddleware,
-        minimum_size=1024,
-        compresslevel=1,
+        minimum_size=GZIP_MINIMUM_SIZE,
+        compresslevel=GZIP_LEVEL,
         exclude_content_types=(*DEFAULT_EXCLUDED_CONTENT_TYPES, *EXPORT_MEDIA_TYPES),
     )
     app.add_middleware(ObserveRequests)
@@ -319,4 +320,7 @@ def create_app(
             "/v1/code": settings.max_code_bytes + 65_536,
         },
     )
+    # Outermost: see service/leanpolls.py.
+    if settings.lean_polls:
+        app.add_middleware(LeanPolls, api=app)
     return app

@@ -125,6 +125,17 @@ class AuthCache:
         self.limiter.fail(client)
         raise Unauthorized(verdict)
 
+    def known(self, token: str) -> Principal | None:
+        """The token's principal if this process verified it under the current generation
+        and that generation is still fresh, else None (and nothing counted, nothing read):
+        for the lean poll path, which leaves every other case to ``principal``."""
+        if self.read_started < self.clock() - AUTH_RECHECK_SECONDS:
+            return None
+        known = self._tokens.get(auth.hash_token(token))
+        if known is not None and known[0] == self.generation and isinstance(known[1], Principal):
+            return known[1]
+        return None
+
     async def _refresh(self) -> None:
         try:
             started = self.clock()

@@ -23,7 +23,7 @@ def serialize(model: BaseModel) -> bytes:
     ).encode()
 
 
-def _matches(header: str | None, etag: str) -> bool:
+def matches(header: str | None, etag: str) -> bool:
     if not header:
         return False
     if header.strip() == "*":
@@ -36,7 +36,7 @@ def respond(
     request: Request, body: bytes, etag: str, *, media_type: str = "application/json"
 ) -> Response:
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
-    if _matches(request.headers.get("if-none-match"), etag):
+    if matches(request.headers.get("if-none-match"), etag):
         return Response(status_code=304, headers=headers)
     return Response(content=body, media_type=media_type, headers=headers)
 

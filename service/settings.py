@@ -94,6 +94,11 @@ class Settings(BaseSettings):
         le=60,
         description="Reuse a job's summary this long for polls (0: always read the database).",
     )
+    lean_polls: bool = Field(
+        default=True,
+        description="Answer polls the poll cache holds before FastAPI's routing "
+        "(off: every request goes through the routes; for comparing the two).",
+    )
     auth_failure_burst: int = Field(
         default=20, ge=1, description="Failed authentications a client address may make at once."
     )

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service import history
+from service import history, pages
 from service.db import Database
 from service.history import StepRecord
 from service.models import Job
@@ -175,7 +175,7 @@ def apply(events: list[tuple[str, str | None, Any]]) -> dict[int, Any]:
 def stored(db: Database, job_id: int) -> dict[int, Any]:
     with db.read() as s:
         rows, _ = history.read_steps(s, job_id, after_step=-1, limit=100_000)
-    return {r.step: history_routes.step_dict(r)["loss"] for r in rows}
+    return {r.step: pages.step_dict(r)["loss"] for r in rows}
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from service.db import Database
 from service.deps import DbDep, JobId, PrincipalDep
 from service.errors import SpecError
 from service.etag import etag_of, respond
+from service.pages import cached_page
 from service.pollcache import PollCache
 from service.responses import error_responses
 from service.routes.jobs import job_snapshot
@@ -39,20 +40,8 @@ async def columns_page(
     """A page of columns. Like the row pages it is cut at the job's poll snapshot when the
     poll cache is on, so pollers' cursors meet and one query answers all of them; a poll
     already at the snapshot's last step is answered on the event loop without a query."""
-    snap = cache.fresh(job_id)
-    if snap is not None:
-        if snap.last_step is None or after_step >= snap.last_step:
-            body = columnar.columns_body(
-                job_id,
-                snap.status,
-                columnar.Slice(columnar.Columns.empty(), after_step, None),
-                after_step,
-                (snap.history_version, snap.history_reset_step),
-            )
-            return respond(request, body, etag_of(body, snap.history_version))
-        page = cache.page(job_id, after_step, limit, snap, kind="columns")
-        if page is not None:
-            return respond(request, page.body, page.etag)
+    if cached := cached_page(cache, job_id, after_step, limit, "columns"):
+        return respond(request, *cached)
     return await run_in_threadpool(_columns_page, request, db, cache, job_id, after_step, limit)
 
 

@@ -25,6 +25,7 @@ from service.errors import SpecError
 from service.etag import etag_of, etag_response, respond
 from service.metrics import EVENT_STREAMS
 from service.models import FINISHED_STATUSES, ScaleEvent
+from service.pages import bucket_dict, cached_page, page_body, step_dict
 from service.pollcache import PollCache
 from service.responses import (
     BucketOut,
@@ -36,8 +37,6 @@ from service.responses import (
     ScaleEventOut,
     ScaleEventPage,
     error_responses,
-    json_float,
-    loss_flag,
 )
 from service.routes import export
 from service.routes.jobs import job_out, job_snapshot
@@ -51,61 +50,6 @@ ERRORS = error_responses(401, 404, 422)
 CSV_CHUNK = 10_000
 SSE_POLL_SECONDS = 1.0
 SSE_KEEPALIVE_SECONDS = 15.0
-
-
-def step_dict(r: history.StepRow) -> dict[str, Any]:
-    """A StepOut as a plain dict: pages hold up to ten thousand, and a pydantic object per row
-    would cost several times the query. The tests validate pages against StepOut's schema."""
-    return {
-        "step": r.step,
-        "epoch": r.epoch,
-        "loss": json_float(r.loss),
-        "loss_nonfinite": loss_flag(r.loss),
-        "loss_scale": r.loss_scale,
-        "finite": r.finite,
-    }
-
-
-def page_body(
-    job_id: int,
-    status: str,
-    rows: list[history.StepRow],
-    after_step: int,
-    has_more: bool,
-    version: tuple[int, int | None],
-) -> bytes:
-    """A HistoryPage as JSON (``tests/test_api_jobs.py`` checks it against the schema).
-    ``version``: the job's history version and reset step, read before the rows, so a page
-    never claims a newer version than its rows have."""
-    page = {
-        "job_id": job_id,
-        "status": status,
-        "items": [step_dict(r) for r in rows],
-        "next_after_step": rows[-1].step if rows else after_step,
-        "has_more": has_more,
-        "history_version": version[0],
-        "history_reset_step": version[1],
-    }
-    return json.dumps(page, separators=(",", ":"), allow_nan=False).encode()
-
-
-def bucket_dict(b: rollups.Bucket) -> dict[str, Any]:
-    """A BucketOut as a plain dict (a page holds thousands; see page_body)."""
-    return {
-        "index": b.index,
-        "first_step": b.first_step,
-        "last_step": b.last_step,
-        "count": b.count,
-        "loss_min": b.loss_min,
-        "loss_max": b.loss_max,
-        "loss_last": json_float(b.loss_last),
-        "loss_last_nonfinite": loss_flag(b.loss_last),
-        "scale_min": b.scale_min,
-        "scale_max": b.scale_max,
-        "scale_last": b.scale_last,
-        "overflow_count": b.overflow_count,
-        "nonfinite_loss_count": b.nonfinite_loss_count,
-    }
 
 
 def bucket_out(b: rollups.Bucket) -> BucketOut:
@@ -166,15 +110,8 @@ async def get_history(
         )
     # Async so that the common poll, one that already has every row as of the job's snapshot,
     # is answered on the event loop without a thread hop or a query.
-    snap = cache.fresh(job_id)
-    if points is None and snap is not None:
-        if snap.last_step is None or after_step >= snap.last_step:
-            version = (snap.history_version, snap.history_reset_step)
-            body = page_body(job_id, snap.status, [], after_step, False, version)
-            return respond(request, body, etag_of(body, snap.history_version))
-        page = cache.page(job_id, after_step, limit, snap)
-        if page is not None:
-            return respond(request, page.body, page.etag)
+    if points is None and (cached := cached_page(cache, job_id, after_step, limit, "rows")):
+        return respond(request, *cached)
     return await run_in_threadpool(
         _history, request, db, cache, job_id, after_step, limit, points, from_step, to_step
     )

@@ -1,0 +1,90 @@
+"""JSON bodies of history pages, built from plain dicts (a page holds up to ten thousand rows,
+and a pydantic object per row would cost several times the query), and the page a poller
+gets from the poll cache without a query. The tests validate these bodies against the
+response models' schemas."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from service import columnar, history, rollups
+from service.etag import etag_of
+from service.pollcache import PollCache
+from service.responses import json_float, loss_flag
+
+PageKind = Literal["rows", "columns"]
+
+
+def step_dict(r: history.StepRow) -> dict[str, Any]:
+    """A StepOut as a plain dict."""
+    return {
+        "step": r.step,
+        "epoch": r.epoch,
+        "loss": json_float(r.loss),
+        "loss_nonfinite": loss_flag(r.loss),
+        "loss_scale": r.loss_scale,
+        "finite": r.finite,
+    }
+
+
+def page_body(
+    job_id: int,
+    status: str,
+    rows: list[history.StepRow],
+    after_step: int,
+    has_more: bool,
+    version: tuple[int, int | None],
+) -> bytes:
+    """A HistoryPage as JSON. ``version``: the job's history version and reset step, read
+    before the rows, so a page never claims a newer version than its rows have."""
+    page = {
+        "job_id": job_id,
+        "status": status,
+        "items": [step_dict(r) for r in rows],
+        "next_after_step": rows[-1].step if rows else after_step,
+        "has_more": has_more,
+        "history_version": version[0],
+        "history_reset_step": version[1],
+    }
+    return json.dumps(page, separators=(",", ":"), allow_nan=False).encode()
+
+
+def bucket_dict(b: rollups.Bucket) -> dict[str, Any]:
+    """A BucketOut as a plain dict."""
+    return {
+        "index": b.index,
+        "first_step": b.first_step,
+        "last_step": b.last_step,
+        "count": b.count,
+        "loss_min": b.loss_min,
+        "loss_max": b.loss_max,
+        "loss_last": json_float(b.loss_last),
+        "loss_last_nonfinite": loss_flag(b.loss_last),
+        "scale_min": b.scale_min,
+        "scale_max": b.scale_max,
+        "scale_last": b.scale_last,
+        "overflow_count": b.overflow_count,
+        "nonfinite_loss_count": b.nonfinite_loss_count,
+    }
+
+
+def cached_page(
+    cache: PollCache, job_id: int, after_step: int, limit: int, kind: PageKind
+) -> tuple[bytes, str] | None:
+    """A poller's page (body, ETag) as of the job's fresh snapshot, with no query: the empty
+    page for a poller that already has every row the snapshot knows of, or the page another
+    poller at the same cursor had read. None when the database must be asked."""
+    snap = cache.fresh(job_id)
+    if snap is None:
+        return None
+    if snap.last_step is None or after_step >= snap.last_step:
+        version = (snap.history_version, snap.history_reset_step)
+        if kind == "rows":
+            body = page_body(job_id, snap.status, [], after_step, False, version)
+        else:
+            empty = columnar.Slice(columnar.Columns.empty(), after_step, None)
+            body = columnar.columns_body(job_id, snap.status, empty, after_step, version)
+        return body, etag_of(body, snap.history_version)
+    page = cache.page(job_id, after_step, limit, snap, kind=kind)
+    return None if page is None else (page.body, page.etag)

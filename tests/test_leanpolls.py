@@ -1,0 +1,215 @@
+"""The lean poll path (service/leanpolls.py) answers a dashboard's polls before FastAPI's
+routing. It must be invisible: the same status, headers and bytes as the routes for every
+request, the same refusals for every token the routes would refuse, and the same metrics.
+Each test compares an app with the lean path against one without it, on the same database."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service import auth, history
+from service.app import create_app
+from service.authcache import settle
+from service.db import Database
+from service.history import StepRecord
+from service.leanpolls import LeanPolls
+from service.models import Job, utcnow
+from service.settings import Settings
+from tests.conftest import Team
+
+IGNORED_HEADERS = {"date", "server"}
+IDENTITY = {"Accept-Encoding": "identity"}
+
+
+@dataclass
+class Pair:
+    lean: TestClient
+    plain: TestClient
+    job_id: int
+    last_step: int
+
+
+def _steps(n: int) -> list[StepRecord]:
+    """Every kind of row a page must carry: finite losses, NaN, both infinities, overflowed
+    steps, and a gap in the step numbers (a skipped step)."""
+    records = []
+    for step in [*range(0, 30), *range(31, n + 1)]:
+        loss = 1.0 / (step + 1)
+        if step == 7:
+            loss = math.nan
+        elif step == 8:
+            loss = math.inf
+        elif step == 9:
+            loss = -math.inf
+        records.append(StepRecord(step, step // 20, loss, 2.0 ** (15 - step % 3), step % 11 != 5))
+    return records
+
+
+@pytest.fixture
+def pair(settings: Settings, db: Database, team: Team) -> Iterator[Pair]:
+    # Snapshots that outlive the test: both apps must answer from their caches throughout.
+    settings.poll_cache_seconds = 60
+    plain_settings = settings.model_copy(update={"lean_polls": False})
+    with (
+        TestClient(create_app(settings, db)) as lean,
+        TestClient(create_app(plain_settings, db)) as plain,
+    ):
+        lean.headers.update(Team.header(team.alice))
+        plain.headers.update(Team.header(team.alice))
+        r = lean.post("/v1/jobs", json={})
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        records = _steps(80)
+        with db.write() as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            history.write_steps(s, job, records, now=utcnow())
+        yield Pair(lean, plain, job_id, records[-1].step)
+
+
+def _answer(client: TestClient, url: str, headers: dict[str, str]) -> tuple[int, dict, bytes]:
+    r = client.get(url, headers=headers)
+    kept = {k: v for k, v in r.headers.items() if k not in IGNORED_HEADERS}
+    return r.status_code, kept, r.content
+
+
+def _polls(p: Pair) -> list[str]:
+    j = f"/v1/jobs/{p.job_id}"
+    last = p.last_step
+    return [
+        j,
+        f"{j}/history",
+        f"{j}/history?after_step=-1&limit=1000",
+        f"{j}/history?limit=1000&after_step=-1",
+        f"{j}/history?after_step=40&limit=5",
+        f"{j}/history?after_step={last}&limit=1000",
+        f"{j}/history?after_step={last + 100}",
+        f"{j}/history?format=columns",
+        f"{j}/history?format=columns&after_step=-1&limit=1000000",
+        f"{j}/history?format=rows&after_step={last}",
+    ]
+
+
+def _others(p: Pair) -> list[str]:
+    """Requests the lean path must leave to the routes, whatever they answer."""
+    j = f"/v1/jobs/{p.job_id}"
+    return [
+        f"{j}/history?after_step=01",
+        f"{j}/history?after_step=+1",
+        f"{j}/history?after_step=-2",
+        f"{j}/history?after_step=2147483648",
+        f"{j}/history?limit=0",
+        f"{j}/history?limit=10001",
+        f"{j}/history?format=columns&limit=1000001",
+        f"{j}/history?limit=5&limit=6",
+        f"{j}/history?points=10",
+        f"{j}/history?after_step=-1&foo=1",
+        f"{j}/history?format=csv",
+        f"{j}?x=1",
+        "/v1/jobs/0",
+        "/v1/jobs/2147483648",
+        "/v1/jobs/99999",
+        "/v1/jobs/99999/history",
+        f"/v1/jobs/0{p.job_id}",
+    ]
+
+
+def _warm(p: Pair, urls: list[str]) -> None:
+    """Each app's first answer to a poll fills its cache (snapshot, page) from the database."""
+    for url in urls:
+        for client in (p.lean, p.plain):
+            client.get(url)
+
+
+@pytest.mark.parametrize("encoding", ["identity", "gzip"])
+def test_every_poll_gets_the_routes_bytes_and_headers(pair: Pair, encoding: str) -> None:
+    urls = _polls(pair) + _others(pair)
+    _warm(pair, urls)
+    headers = {"Accept-Encoding": encoding}
+    compressed = 0
+    for url in urls:
+        lean = _answer(pair.lean, url, headers)
+        assert lean == _answer(pair.plain, url, headers), url
+        compressed += lean[1].get("content-encoding") == "gzip"
+        etag = lean[1].get("etag")
+        if etag is not None:
+            conditional = {**headers, "If-None-Match": etag}
+            again = _answer(pair.lean, url, conditional)
+            assert again == _answer(pair.plain, url, conditional), url
+            assert again[0] == 304, url
+    # The rows make pages large enough to be compressed, so both branches were compared.
+    assert (compressed > 0) == (encoding == "gzip")
+
+
+def _scope(url: str, token: str) -> dict:
+    path, _, query = url.partition("?")
+    return {
+        "type": "http",
+        "method": "GET",
+        "path": path,
+        "query_string": query.encode(),
+        "headers": [(b"authorization", f"Bearer {token}".encode())],
+    }
+
+
+def test_the_lean_path_answers_the_polls_and_leaves_the_rest(pair: Pair, team: Team) -> None:
+    """The comparison above would hold as well if the lean path never answered: these are the
+    requests it must answer itself, and those it must leave to the routes."""
+    _warm(pair, _polls(pair) + _others(pair))
+    lean = LeanPolls(pair.lean.app, pair.lean.app)  # type: ignore[arg-type]
+    for url in _polls(pair):
+        assert lean._answer(_scope(url, team.alice)) is not None, url
+    for url in _others(pair):
+        assert lean._answer(_scope(url, team.alice)) is None, url
+    assert lean._answer(_scope(_polls(pair)[0], "hw_not-a-token")) is None
+
+
+def test_a_token_taken_away_is_refused_although_its_polls_are_cached(
+    pair: Pair, db: Database, team: Team
+) -> None:
+    url = f"/v1/jobs/{pair.job_id}"
+    assert pair.lean.get(url).status_code == 200
+    etag = pair.lean.get(url).headers["etag"]
+    assert pair.lean.get(url, headers={"If-None-Match": etag}).status_code == 304
+    with db.write() as s:
+        assert auth.set_disabled(s, "alice", True)
+    settle()
+    for poll in (url, f"{url}/history?after_step={pair.last_step}"):
+        r = pair.lean.get(poll, headers={"If-None-Match": etag})
+        assert r.status_code == 401, (poll, r.status_code)
+    # Another member's token still polls, from the same cached snapshot.
+    r = pair.lean.get(url, headers={**Team.header(team.bob), "If-None-Match": etag})
+    assert r.status_code == 304
+
+
+def _count(metrics: str, route: str, status: int) -> float:
+    pattern = (
+        r'halfway_http_request_duration_seconds_count\{method="GET",route="'
+        + re.escape(route)
+        + r'",status="'
+        + str(status)
+        + r'"\} ([0-9.e+]+)'
+    )
+    found = re.search(pattern, metrics)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_polls_answered_early_are_counted_by_route(pair: Pair) -> None:
+    url = f"/v1/jobs/{pair.job_id}"
+    etag = pair.lean.get(url).headers["etag"]
+    before = pair.lean.get("/metrics").text
+    for _ in range(7):
+        assert pair.lean.get(url, headers={"If-None-Match": etag}).status_code == 304
+    for _ in range(3):
+        r = pair.lean.get(f"{url}/history?after_step={pair.last_step}", headers=IDENTITY)
+        assert r.status_code == 200
+    after = pair.lean.get("/metrics").text
+    assert _count(after, "/v1/jobs/{job_id}", 304) - _count(before, "/v1/jobs/{job_id}", 304) == 7
+    history_route = "/v1/jobs/{job_id}/history"
+    assert _count(after, history_route, 200) - _count(before, history_route, 200) == 3
