@@ -9,6 +9,7 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -73,7 +74,9 @@ def pair(settings: Settings, db: Database, team: Team) -> Iterator[Pair]:
         yield Pair(lean, plain, job_id, records[-1].step)
 
 
-def _answer(client: TestClient, url: str, headers: dict[str, str]) -> tuple[int, dict, bytes]:
+def _answer(
+    client: TestClient, url: str, headers: dict[str, str]
+) -> tuple[int, dict[str, str], bytes]:
     r = client.get(url, headers=headers)
     kept = {k: v for k, v in r.headers.items() if k not in IGNORED_HEADERS}
     return r.status_code, kept, r.content
@@ -147,7 +150,7 @@ def test_every_poll_gets_the_routes_bytes_and_headers(pair: Pair, encoding: str)
     assert (compressed > 0) == (encoding == "gzip")
 
 
-def _scope(url: str, token: str) -> dict:
+def _scope(url: str, token: str) -> dict[str, Any]:
     path, _, query = url.partition("?")
     return {
         "type": "http",
