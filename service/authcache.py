@@ -100,12 +100,7 @@ class AuthCache:
         self._flight: asyncio.Task[None] | None = None
 
     async def principal(self, token: str, client: str) -> Principal:
-        arrived = self.clock()
-        while self.read_started < arrived - AUTH_RECHECK_SECONDS:
-            if self._flight is None:
-                self._flight = asyncio.ensure_future(self._refresh())
-            # Shielded: a client that hangs up must not cancel the read the others await.
-            await asyncio.shield(self._flight)
+        await self.current()
         digest = auth.hash_token(token)
         known = self._tokens.get(digest)
         if known is not None and known[0] == self.generation and isinstance(known[1], Principal):
@@ -125,10 +120,21 @@ class AuthCache:
         self.limiter.fail(client)
         raise Unauthorized(verdict)
 
+    async def current(self) -> None:
+        """Return once the auth generation was read no longer than AUTH_RECHECK_SECONDS
+        before this call; one read at a time, shared by every request that waits for it."""
+        arrived = self.clock()
+        while self.read_started < arrived - AUTH_RECHECK_SECONDS:
+            if self._flight is None:
+                self._flight = asyncio.ensure_future(self._refresh())
+            # Shielded: a client that hangs up must not cancel the read the others await.
+            await asyncio.shield(self._flight)
+
     def known(self, token: str) -> Principal | None:
         """The token's principal if this process verified it under the current generation
-        and that generation is still fresh, else None (and nothing counted, nothing read):
-        for the lean poll path, which leaves every other case to ``principal``."""
+        and that generation is still fresh (see ``current``), else None, with nothing counted
+        and nothing read: for the lean poll path, which leaves every other case to
+        ``principal``."""
         if self.read_started < self.clock() - AUTH_RECHECK_SECONDS:
             return None
         known = self._tokens.get(auth.hash_token(token))

@@ -8,6 +8,9 @@ recognizes exactly those polls (a canonical path and query, a bearer token this 
 verified under the current auth generation, a fresh snapshot) and answers them from the
 cache with the same bytes and headers the routes would send. Every other request, and every
 poll it is not sure of, goes on to the app unchanged: it never answers an error itself.
+When the snapshot has aged, or a page is not cached yet, it reads them as the routes would,
+once for every poll waiting on them, so a poll never falls back to the routes' cost merely
+because it arrived as the cache was refreshed.
 
 It is the outermost middleware, since each layer costs a noticeable part of such an answer,
 so it does itself what the layers inside would do to the routes' answer: the request latency
@@ -17,21 +20,28 @@ compressed body is kept with its snapshot, so two hundred browsers cost one comp
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import zlib
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.authcache import AuthCache
 from service.deps import MAX_ID
 from service.etag import matches
 from service.metrics import REQUEST_LATENCY
-from service.pages import PageKind, cached_page
+from service.pages import PageKind, cached_page, polled_page
 from service.pollcache import PollCache
 from service.routes.export import MAX_ROWS_PER_PAGE, MAX_STEP
 from service.routes.history import MAX_ROWS
+from service.routes.jobs import job_snapshot
+
+T = TypeVar("T")
 
 JOB_PATH = "/v1/jobs/{job_id}"
 HISTORY_PATH = "/v1/jobs/{job_id}/history"
@@ -50,11 +60,12 @@ class LeanPolls:
         self.app = app
         self.api = api
         self._gzipped: dict[str, bytes] = {}  # by ETag: a body is compressed once
+        self._flights: dict[Hashable, asyncio.Future[Any]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "GET":
             started = time.perf_counter()
-            answer = self._answer(scope)
+            answer = await self._answer(scope)
             if answer is not None:
                 status = await self._send(scope, send, *answer[1:])
                 REQUEST_LATENCY.labels("GET", answer[0], str(status)).observe(
@@ -63,36 +74,65 @@ class LeanPolls:
                 return
         await self.app(scope, receive, send)
 
-    def _answer(self, scope: Scope) -> tuple[str, bytes, str] | None:
-        """(route template, body, ETag) when the poll cache answers this request as the
-        route would, else None."""
+    async def _answer(self, scope: Scope) -> tuple[str, bytes, str] | None:
+        """(route template, body, ETag) when this is a poll the routes would answer from
+        the poll cache, else None. A stale snapshot, or a page no poller at its cursor has
+        read yet, is read here as the routes would read it, once for all the polls that
+        wait for it; should that read fail, the routes take the request and answer it."""
         found = _PATH.fullmatch(scope["path"])
-        if found is None or _has_body(scope):
+        cache: PollCache = self.api.state.poll_cache
+        if found is None or cache.ttl <= 0 or _has_body(scope):
             return None
         job_id = int(found.group(1))
-        if job_id > MAX_ID or not self._authorized(scope):
+        query = _history_query(scope["query_string"]) if found.group(2) else None
+        if (found.group(2) is None and scope["query_string"]) or (found.group(2) and query is None):
             return None
-        cache: PollCache = self.api.state.poll_cache
-        if found.group(2) is None:
-            if scope["query_string"]:
-                return None
+        if job_id > MAX_ID or not await self._authorized(scope):
+            return None
+        db = self.api.state.db
+        try:
             snap = cache.fresh(job_id)
-            return None if snap is None else (JOB_PATH, snap.body, snap.etag)
-        query = _history_query(scope["query_string"])
-        if query is None:
+            if snap is None:
+                snap = await self._shared(("job", job_id), job_snapshot, db, cache, job_id)
+            if query is None:
+                return JOB_PATH, snap.body, snap.etag
+            page = cached_page(cache, job_id, *query)
+            if page is None:
+                page = await self._shared(
+                    (*query, job_id, snap.taken), polled_page, db, cache, job_id, *query
+                )
+        except Exception:  # a missing job, a database down: the routes answer and report it
             return None
-        cached = cached_page(cache, job_id, *query)
-        return None if cached is None else (HISTORY_PATH, *cached)
+        return HISTORY_PATH, *page
 
-    def _authorized(self, scope: Scope) -> bool:
+    async def _shared(self, key: Hashable, load: Callable[..., T], *args: Any) -> T:
+        """``load(*args)`` in a thread, once for every poll that asks for ``key`` meanwhile."""
+        flight = self._flights.get(key)
+        if flight is None:
+            flight = asyncio.ensure_future(run_in_threadpool(load, *args))
+            self._flights[key] = flight
+            flight.add_done_callback(lambda done: self._landed(key, done))
+        # Shielded: a poller that hangs up must not cancel the read the others await.
+        result: T = await asyncio.shield(flight)
+        return result
+
+    def _landed(self, key: Hashable, flight: asyncio.Future[Any]) -> None:
+        self._flights.pop(key, None)
+        if not flight.cancelled():
+            flight.exception()  # retrieved: every waiter may have gone
+
+    async def _authorized(self, scope: Scope) -> bool:
         if not self.api.state.auth:
             return True
         header = _header(scope, b"authorization")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
             return False
         auth_cache: AuthCache = self.api.state.auth_cache
-        return auth_cache.known(token.strip()) is not None
+        if auth_cache.known(token) is None:
+            await auth_cache.current()  # the one shared read, if the generation is due
+        return auth_cache.known(token) is not None
 
     async def _send(self, scope: Scope, send: Send, body: bytes, etag: str) -> int:
         headers = [(b"etag", etag.encode("latin-1")), (b"cache-control", b"no-cache")]

@@ -1,7 +1,7 @@
 """JSON bodies of history pages, built from plain dicts (a page holds up to ten thousand rows,
-and a pydantic object per row would cost several times the query), and the page a poller
-gets from the poll cache without a query. The tests validate these bodies against the
-response models' schemas."""
+and a pydantic object per row would cost several times the query), and the pages pollers
+get: from the poll cache without a query, or read once for all pollers at the same cursor.
+The tests validate these bodies against the response models' schemas."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import json
 from typing import Any, Literal
 
 from service import columnar, history, rollups
+from service.db import Database
 from service.etag import etag_of
 from service.pollcache import PollCache
 from service.responses import json_float, loss_flag
+from service.routes.jobs import job_snapshot
 
 PageKind = Literal["rows", "columns"]
 
@@ -88,3 +90,30 @@ def cached_page(
         return body, etag_of(body, snap.history_version)
     page = cache.page(job_id, after_step, limit, snap, kind=kind)
     return None if page is None else (page.body, page.etag)
+
+
+def polled_page(
+    db: Database, cache: PollCache, job_id: int, after_step: int, limit: int, kind: PageKind
+) -> tuple[bytes, str]:
+    """New rows for a poller, cut at the job's snapshot so that pollers' cursors meet and one
+    query (one at a time, by single flight) answers all of those at the same step. Blocking:
+    call it in a thread."""
+    snap = job_snapshot(db, cache, job_id)
+    with cache.single_flight((kind, job_id, after_step, limit)):
+        page = cache.page(job_id, after_step, limit, snap, kind=kind)
+        if page is None:
+            version = (snap.history_version, snap.history_reset_step)
+            with db.read() as session:
+                if kind == "rows":
+                    rows, has_more = history.read_steps(
+                        session, job_id, after_step=after_step, limit=limit, up_to=snap.last_step
+                    )
+                    body = page_body(job_id, snap.status, rows, after_step, has_more, version)
+                else:
+                    up_to = -1 if snap.last_step is None else snap.last_step
+                    found = columnar.read_columns(
+                        session, job_id, after_step=after_step, limit=limit, up_to=up_to
+                    )
+                    body = columnar.columns_body(job_id, snap.status, found, after_step, version)
+            page = cache.store_page(job_id, after_step, limit, snap, body, kind=kind)
+    return page.body, page.etag

@@ -18,10 +18,9 @@ from service.db import Database
 from service.deps import DbDep, JobId, PrincipalDep
 from service.errors import SpecError
 from service.etag import etag_of, respond
-from service.pages import cached_page
+from service.pages import cached_page, polled_page
 from service.pollcache import PollCache
 from service.responses import error_responses
-from service.routes.jobs import job_snapshot
 
 router = APIRouter(tags=["history"])
 
@@ -55,19 +54,7 @@ def _columns_page(
             found = columnar.read_columns(session, job_id, after_step=after_step, limit=limit)
             body = columnar.columns_body(job_id, job.status, found, after_step, version)
         return respond(request, body, etag_of(body, version[0]))
-    snap = job_snapshot(db, cache, job_id)
-    with cache.single_flight(("columns", job_id, after_step, limit)):
-        page = cache.page(job_id, after_step, limit, snap, kind="columns")
-        if page is None:
-            up_to = -1 if snap.last_step is None else snap.last_step
-            with db.read() as session:
-                found = columnar.read_columns(
-                    session, job_id, after_step=after_step, limit=limit, up_to=up_to
-                )
-            version = (snap.history_version, snap.history_reset_step)
-            body = columnar.columns_body(job_id, snap.status, found, after_step, version)
-            page = cache.store_page(job_id, after_step, limit, snap, body, kind="columns")
-    return respond(request, page.body, page.etag)
+    return respond(request, *polled_page(db, cache, job_id, after_step, limit, "columns"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from service.errors import SpecError
 from service.etag import etag_of, etag_response, respond
 from service.metrics import EVENT_STREAMS
 from service.models import FINISHED_STATUSES, ScaleEvent
-from service.pages import bucket_dict, cached_page, page_body, step_dict
+from service.pages import bucket_dict, cached_page, page_body, polled_page, step_dict
 from service.pollcache import PollCache
 from service.responses import (
     BucketOut,
@@ -39,7 +39,7 @@ from service.responses import (
     error_responses,
 )
 from service.routes import export
-from service.routes.jobs import job_out, job_snapshot
+from service.routes.jobs import job_out
 
 router = APIRouter(tags=["history"])
 
@@ -129,29 +129,9 @@ def _history(
     to_step: int | None,
 ) -> Response:
     if points is None and cache.ttl > 0:
-        return _polled_rows(request, db, cache, job_id, after_step, limit)
+        return respond(request, *polled_page(db, cache, job_id, after_step, limit, "rows"))
     with db.read() as session:
         return _history_in(request, session, job_id, after_step, limit, points, from_step, to_step)
-
-
-def _polled_rows(
-    request: Request, db: Database, cache: PollCache, job_id: int, after_step: int, limit: int
-) -> Response:
-    """New rows for a poller, cut at the job's snapshot so that pollers' cursors meet and one
-    query (one at a time, by single flight) answers all of those at the same step."""
-
-    snap = job_snapshot(db, cache, job_id)
-    with cache.single_flight(("page", job_id, after_step, limit)):
-        page = cache.page(job_id, after_step, limit, snap)
-        if page is None:
-            with db.read() as session:
-                rows, has_more = history.read_steps(
-                    session, job_id, after_step=after_step, limit=limit, up_to=snap.last_step
-                )
-            version = (snap.history_version, snap.history_reset_step)
-            body = page_body(job_id, snap.status, rows, after_step, has_more, version)
-            page = cache.store_page(job_id, after_step, limit, snap, body)
-    return respond(request, page.body, page.etag)
 
 
 def _history_in(
