@@ -22,7 +22,7 @@ from service.authcache import AuthCache, FailureLimiter
 from service.columnar import EXPORT_MEDIA_TYPES
 from service.db import Database
 from service.errors import HalfwayError, SpecError, TooManyRequests
-from service.leanpolls import GZIP_LEVEL, GZIP_MINIMUM_SIZE, LeanPolls
+from service.leanpolls import GZIP_LEVEL, GZIP_MINIMUM_SIZE, HalfwayAPI, LeanPolls
 from service.metrics import MetricsRegistry, ObserveRequests, metrics_response
 from service.pollcache import PollCache
 from service.routes import (
@@ -216,7 +216,7 @@ def create_app(
             if on_shutdown is not None:
                 on_shutdown()
 
-    app = FastAPI(
+    app = HalfwayAPI(
         title="Halfway",
         version="1",
         description="Mixed-precision Keras training as a service, with every step's loss "
@@ -320,7 +320,6 @@ def create_app(
             "/v1/code": settings.max_code_bytes + 65_536,
         },
     )
-    # Outermost: see service/leanpolls.py.
     if settings.lean_polls:
-        app.add_middleware(LeanPolls, api=app)
+        app.lean = LeanPolls(app)
     return app

@@ -168,7 +168,7 @@ def test_the_lean_path_answers_the_polls_and_leaves_the_rest(pair: Pair, team: T
     but the token (verified by one request that is not a poll): the lean path reads a stale
     snapshot and a page no poller has read yet itself, as the routes would."""
     assert pair.lean.get("/v1/jobs").status_code == 200
-    lean = LeanPolls(pair.lean.app, pair.lean.app)  # type: ignore[arg-type]
+    lean = LeanPolls(pair.lean.app)  # type: ignore[arg-type]
 
     def answer(url: str, token: str = team.alice) -> object:
         return asyncio.run(lean._answer(_scope(url, token)))
