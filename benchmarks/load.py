@@ -171,6 +171,8 @@ async def poller(
 
 WRK_SCRIPT = """
 -- Each connection is a dashboard: it reads the job, then its new history rows, then waits.
+-- wrk keeps one Lua state per thread, so the connections share the cursor and the ETag: each
+-- poll asks for the rows after the newest cursor any of them has seen.
 local job_path = "/v1/jobs/%(job)d"
 local token = "Bearer %(token)s"
 local period_ms = %(period_ms)d
@@ -199,12 +201,16 @@ function delay()
 end
 
 function response(status, headers, body)
-  if status >= 400 then errors = errors + 1 end
-  if status == 200 and headers["ETag"] ~= nil and not string.find(body, "next_after_step") then
-    etag = headers["ETag"]
+  if status >= 400 then errors = errors + 1 return end
+  -- uvicorn sends header names in lower case; a history page's ETag starts with "h
+  local tag = headers["etag"]
+  if status ~= 200 or tag == nil then return end
+  if string.sub(tag, 2, 2) == "h" then
+    local cursor = string.match(body, '"next_after_step":(%%-?%%d+)')
+    if cursor ~= nil then after = tonumber(cursor) end
+  else
+    etag = tag
   end
-  local cursor = string.match(body, '"next_after_step":(%%-?%%d+)')
-  if cursor ~= nil then after = tonumber(cursor) end
 end
 
 function done(summary, latency, requests)
