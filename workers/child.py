@@ -25,7 +25,11 @@ if TYPE_CHECKING:
 def run(payload: dict[str, Any], conn: Connection) -> None:
     _die_with_parent(payload.get("parent_pid"))
     try:
-        files, data_dir = _stage(payload)
+        files, data_dir, code_dir = _stage(payload)
+    except JobError as exc:  # a bundle the store no longer holds whole: a retry fails alike
+        conn.send({"type": "done", "status": "failed", "error": str(exc), "retryable": False})
+        conn.close()
+        return
     except Exception as exc:  # the store unreachable: perhaps transient, so a retry
         message = f"could not stage the job's files: {type(exc).__name__}: {exc}"
         conn.send({"type": "done", "status": "failed", "error": message, "retryable": True})
@@ -59,7 +63,7 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
                 resume_step=payload.get("resume_step"),
                 attempt=payload.get("attempt") or 1,
                 max_parameters=payload.get("max_parameters"),
-                code_dir=Path(payload["code_dir"]) if payload.get("code_dir") else None,
+                code_dir=code_dir,
                 files=files,
             )
         )
@@ -83,16 +87,19 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
     files.clean_scratch()
 
 
-def _stage(payload: dict[str, Any]) -> tuple[JobFiles, Path]:
+def _stage(payload: dict[str, Any]) -> tuple[JobFiles, Path, Path]:
     """The job's local directory (in the store, or scratch for a remote one) with the log of
-    earlier attempts, and a local directory holding its dataset."""
-    from workers.staging import JobFiles, data_dir_for, open_payload_storage
+    earlier attempts, a local directory holding its dataset, and this host's cache of code
+    bundles (holding the job's bundle, for a code job)."""
+    from workers.staging import JobFiles, code_dir_for, data_dir_for, open_payload_storage
 
     storage = open_payload_storage(payload)
     scratch = Path(payload["scratch_dir"])
+    cache = Path(payload["code_dir"]) if payload.get("code_dir") else scratch / "code"
+    code_dir = code_dir_for(storage, payload["spec"], cache)
     files = JobFiles.for_job(storage, payload["job_id"], scratch)
     files.restore_log()
-    return files, data_dir_for(storage, payload["spec"], scratch)
+    return files, data_dir_for(storage, payload["spec"], scratch), code_dir
 
 
 def device_env(gpu_ids: list[int]) -> dict[str, str]:
