@@ -269,6 +269,7 @@ def _unavailable_on_boto_errors(cls: type[S3Store]) -> type[S3Store]:
     def wrap(method: Any) -> Any:
         @wraps(method)
         def call(*args: Any, **kwargs: Any) -> Any:
+            from boto3.exceptions import Boto3Error
             from botocore.exceptions import BotoCoreError, ClientError
 
             try:
@@ -276,7 +277,9 @@ def _unavailable_on_boto_errors(cls: type[S3Store]) -> type[S3Store]:
                 if method.__name__ == "iter_bytes":
                     return _guarded(result)
                 return result
-            except (BotoCoreError, ClientError) as exc:
+            # boto3's transfers (upload_file, download_file) turn a refused request into their
+            # own S3UploadFailedError or RetriesExceededError, not a botocore error.
+            except (BotoCoreError, ClientError, Boto3Error) as exc:
                 raise StorageUnavailable(f"the object store failed: {exc}") from exc
 
         return call
