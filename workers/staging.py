@@ -140,7 +140,8 @@ def code_dir_for(storage: Storage, spec: dict[str, Any], cache: Path) -> Path:
     except (codestore.BundleCorrupt, NotFound) as exc:
         raise JobError(exc.message) from None
     if fetched:
-        print(f"halfway: code bundle {bundle} fetched from {storage.code.url()}", flush=True)
+        where = storage.code.url(codestore.key_for(bundle))
+        print(f"halfway: code bundle {bundle} fetched from {where}", flush=True)
     return root.parent
 
 
