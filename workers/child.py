@@ -25,11 +25,7 @@ if TYPE_CHECKING:
 def run(payload: dict[str, Any], conn: Connection) -> None:
     _die_with_parent(payload.get("parent_pid"))
     try:
-        files, data_dir, code_dir = _stage(payload)
-    except JobError as exc:  # a bundle the store no longer holds whole: a retry fails alike
-        conn.send({"type": "done", "status": "failed", "error": str(exc), "retryable": False})
-        conn.close()
-        return
+        files, data_dir = _stage(payload)
     except Exception as exc:  # the store unreachable: perhaps transient, so a retry
         message = f"could not stage the job's files: {type(exc).__name__}: {exc}"
         conn.send({"type": "done", "status": "failed", "error": message, "retryable": True})
@@ -48,7 +44,14 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
     print(f"halfway: job {payload['job_id']} attempt {payload.get('attempt')} starting", flush=True)
     try:
         from workers.context import RunContext
+        from workers.staging import code_dir_for, open_payload_storage
         from workers.training import train
+
+        # Here, not in _stage, so the job's log says where the bundle came from, and a bundle
+        # that fails its digest fails the job like any JobError (no retry).
+        code_dir = code_dir_for(
+            open_payload_storage(payload), payload["spec"], _code_cache(payload)
+        )
 
         status = train(
             RunContext(
@@ -87,19 +90,23 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
     files.clean_scratch()
 
 
-def _stage(payload: dict[str, Any]) -> tuple[JobFiles, Path, Path]:
+def _stage(payload: dict[str, Any]) -> tuple[JobFiles, Path]:
     """The job's local directory (in the store, or scratch for a remote one) with the log of
-    earlier attempts, a local directory holding its dataset, and this host's cache of code
-    bundles (holding the job's bundle, for a code job)."""
-    from workers.staging import JobFiles, code_dir_for, data_dir_for, open_payload_storage
+    earlier attempts, and a local directory holding its dataset."""
+    from workers.staging import JobFiles, data_dir_for, open_payload_storage
 
     storage = open_payload_storage(payload)
     scratch = Path(payload["scratch_dir"])
-    cache = Path(payload["code_dir"]) if payload.get("code_dir") else scratch / "code"
-    code_dir = code_dir_for(storage, payload["spec"], cache)
     files = JobFiles.for_job(storage, payload["job_id"], scratch)
     files.restore_log()
-    return files, data_dir_for(storage, payload["spec"], scratch), code_dir
+    return files, data_dir_for(storage, payload["spec"], scratch)
+
+
+def _code_cache(payload: dict[str, Any]) -> Path:
+    """This host's cache of code bundles (HALFWAY_CODE_DIR), shared by its jobs."""
+    if payload.get("code_dir"):
+        return Path(payload["code_dir"])
+    return Path(payload["scratch_dir"]) / "code"
 
 
 def device_env(gpu_ids: list[int]) -> dict[str, str]:
