@@ -45,12 +45,14 @@ def large_bundle(root: Path) -> Path:
     return root
 
 
-def timed(fn: Callable[[], object], rounds: int) -> list[float]:
-    out = []
+def interleaved(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Each case once per round, in turn, so the machine's load falls on all of them alike."""
+    out: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):
-        started = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - started)
+        for name, fn in cases.items():
+            started = time.perf_counter()
+            fn()
+            out[name].append(time.perf_counter() - started)
     return out
 
 
@@ -99,17 +101,24 @@ def main() -> None:
             }
             for label, folder in bundles.items():
                 archive = codepack.pack(folder)
-                print(f"{label}: archive {len(archive) / 1024:.0f} KiB")
-                main_upload = timed(partial(check_only, archive, tmp, limits), rounds)
-                print(f"  check, unpack, digest (main's upload): {fmt(main_upload)}")
+                digest = upload(archive, stores["file://"], tmp, limits)
+                upload(archive, stores["S3 (moto)"], tmp, limits)
+                warm_cache = fresh(tmp, "warm")
+                codestore.fetch(stores["file://"], warm_cache, digest)
+                cases: dict[str, Callable[[], object]] = {
+                    "check, unpack, digest (main's upload)": partial(
+                        check_only, archive, tmp, limits
+                    ),
+                    "warm fetch (the host's cache)": partial(
+                        codestore.fetch, stores["file://"], warm_cache, digest
+                    ),
+                }
                 for name, store in stores.items():
-                    ups = timed(partial(upload, archive, store, tmp, limits), rounds)
-                    digest = upload(archive, store, tmp, limits)
-                    cold = timed(partial(cold_fetch, store, tmp, digest), rounds)
-                    warm_cache = fresh(tmp, "warm")
-                    codestore.fetch(store, warm_cache, digest)
-                    warm = timed(partial(codestore.fetch, store, warm_cache, digest), rounds)
-                    print(f"  {name}: upload {fmt(ups)}; cold fetch {fmt(cold)}; warm {fmt(warm)}")
+                    cases[f"upload, {name}"] = partial(upload, archive, store, tmp, limits)
+                    cases[f"cold fetch, {name}"] = partial(cold_fetch, store, tmp, digest)
+                print(f"{label}: archive {len(archive) / 1024:.0f} KiB, median [min..max]")
+                for name, times in interleaved(cases, rounds).items():
+                    print(f"  {name}: {fmt(times)}")
     finally:
         proc.terminate()
         proc.wait(timeout=30)
