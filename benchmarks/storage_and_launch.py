@@ -177,6 +177,7 @@ def bench_launch(rounds: int) -> None:
                             url=None,
                             artifact_dir=str(tmp_path / "artifacts"),
                             data_dir=str(tmp_path / "data"),
+                            code_dir=str(tmp_path / "code"),
                         ).to_dict(),
                         "scratch_dir": str(tmp_path / "scratch"),
                         "gpu_ids": [],

@@ -1,5 +1,6 @@
-"""Code bundles: a team's own training code, uploaded as a ``.zip`` or ``.tar.gz`` and stored
-content-addressed (``sha256:<hex>``) under the code directory, unpacked once and read-only.
+"""Code bundles: a team's own training code, uploaded as a ``.zip`` or ``.tar.gz``, checked
+and unpacked here, and named by its content (``sha256:<hex>``). Where bundles are kept (the
+store, each host's cache) is ``service/codestore.py``.
 
 Nothing here imports or runs the code: the archive is read member by member, every member is
 checked before a byte of it lands on disk (no path that escapes the root, no links, no
@@ -19,15 +20,14 @@ import os
 import shutil
 import stat
 import tarfile
-import tempfile
 import zipfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO
+from typing import IO, Literal
 
-from service.errors import NotFound, SpecError
+from service.errors import SpecError
 
 DIGEST_PREFIX = "sha256:"
 CHUNK = 1 << 20
@@ -51,68 +51,39 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class Bundle:
-    digest: str
+class Unpacked:
+    tree: Path
     files: int
     bytes: int
-    created: bool
 
 
-def store(upload: IO[bytes], code_dir: Path, limits: Limits) -> Bundle:
-    """Check and unpack an uploaded archive; return its bundle (``created`` False when the
-    same content was stored before)."""
-    code_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=code_dir, prefix=".upload-"))
-    try:
-        archive = work / "archive"
-        compressed = _save(upload, archive, limits.max_bytes)
-        tree = work / "tree"
-        tree.mkdir()
-        files, total = _unpack(archive, compressed, tree, limits)
-        if files == 0:
-            raise BundleError("empty", "holds no files")
-        digest = tree_digest(tree)
-        target = bundle_dir(code_dir, digest)
-        created = True
-        if target.exists():
-            created = False
-        else:
-            _make_read_only(tree)
-            try:
-                os.rename(tree, target)
-            except OSError:
-                if not target.exists():
-                    raise
-                created = False  # another upload of the same content won the race
-        return Bundle(DIGEST_PREFIX + digest, files, total, created)
-    finally:
-        _remove(work)
+def unpack_upload(upload: IO[bytes], work: Path, limits: Limits) -> Unpacked:
+    """Check and unpack an uploaded archive into ``work/tree`` (``work`` is the caller's to
+    remove, whatever happens)."""
+    archive = work / "archive"
+    compressed = _save(upload, archive, limits.max_bytes)
+    tree = work / "tree"
+    tree.mkdir()
+    count, total = _unpack(archive, compressed, tree, limits)
+    archive.unlink()
+    if count == 0:
+        raise BundleError("empty", "holds no files")
+    return Unpacked(tree, count, total)
 
 
-def bundle_dir(code_dir: Path, digest: str) -> Path:
+def hex_of(digest: str) -> str:
+    """The 64 hex digits of a ``sha256:`` digest, or a refusal naming the rule."""
     hexdigest = digest.removeprefix(DIGEST_PREFIX)
     if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
         raise SpecError("digest", "pattern", "must be sha256: followed by 64 hex digits")
-    return code_dir / hexdigest
-
-
-def find(code_dir: Path, digest: str) -> Path:
-    """The unpacked bundle's root, or NotFound."""
-    root = bundle_dir(code_dir, digest)
-    if not root.is_dir():
-        raise NotFound(f"no code bundle {digest}; upload it with POST /v1/code")
-    return root
-
-
-def listing(root: Path) -> list[tuple[str, int]]:
-    return [(path, (root / path).stat().st_size) for path in _files(root)]
+    return hexdigest
 
 
 def tree_digest(root: Path) -> str:
     """SHA-256 over each file's path, size and contents, in path order (directories are
     implied by the paths, so an empty directory does not change the digest)."""
     outer = hashlib.sha256()
-    for path in _files(root):
+    for path in files(root):
         inner = hashlib.sha256()
         with open(root / path, "rb") as f:
             while chunk := f.read(CHUNK):
@@ -122,7 +93,7 @@ def tree_digest(root: Path) -> str:
     return outer.hexdigest()
 
 
-def _files(root: Path) -> list[str]:
+def files(root: Path) -> list[str]:
     out = []
     for dirpath, _dirs, names in os.walk(root):
         for name in names:
@@ -320,12 +291,21 @@ def _check_zip_member(info: zipfile.ZipInfo) -> None:
             )
 
 
-def _unpack_tar(archive: Path, compressed: int, tree: Path, limits: Limits) -> tuple[int, int]:
+def unpack_tar(archive: Path, tree: Path, limits: Limits) -> tuple[int, int]:
+    """Unpack an uncompressed tar (a bundle as the store holds it) with every member checked
+    as an upload's are: the store is another party, and an object there may have been changed."""
+    return _unpack_tar(archive, archive.stat().st_size, tree, limits, "r:")
+
+
+def _unpack_tar(
+    archive: Path, compressed: int, tree: Path, limits: Limits, mode: Literal["r:gz", "r:"] = "r:gz"
+) -> tuple[int, int]:
     budget = _Budget(compressed, limits)
+    kind = ".tar.gz" if mode == "r:gz" else ".tar"
     try:
-        tf = tarfile.open(archive, "r:gz")  # noqa: SIM115 (closed by the with below)
+        tf = tarfile.open(archive, mode)  # noqa: SIM115 (closed by the with below)
     except (tarfile.TarError, OSError, EOFError):
-        raise BundleError("not_an_archive", "is not a readable .tar.gz archive") from None
+        raise BundleError("not_an_archive", f"is not a readable {kind} archive") from None
     try:
         with tf:
             for info in _tar_members(tf):
@@ -349,7 +329,7 @@ def _unpack_tar(archive: Path, compressed: int, tree: Path, limits: Limits) -> t
                 with source:
                     _write(tree, path, source, budget)
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
-        raise BundleError("not_an_archive", f"the .tar.gz is damaged: {exc}") from None
+        raise BundleError("not_an_archive", f"the {kind} is damaged: {exc}") from None
     return budget.files, budget.bytes
 
 
@@ -363,7 +343,7 @@ def _tar_members(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
 # Files on disk
 
 
-def _make_read_only(tree: Path) -> None:
+def make_read_only(tree: Path) -> None:
     for dirpath, dirs, names in os.walk(tree):
         for name in names:
             os.chmod(Path(dirpath) / name, 0o444)
@@ -372,7 +352,7 @@ def _make_read_only(tree: Path) -> None:
     os.chmod(tree, 0o555)
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path) -> None:
     if not path.exists():
         return
     # A tree made read-only just before a rename that lost a race: writable again first.

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import IO, Literal
 
-from service import code, datasets
+from service import code, codestore, datasets
 from service.errors import FieldErrors, NotFound, SpecError
 from service.policies import POLICIES
 from service.schemas import (
@@ -206,10 +206,13 @@ def check_code(spec: JobSpec, settings: Settings) -> None:
                 for f in present
             ]
         )
+    store = open_storage(settings.storage_config()).code
     try:
-        root = code.find(settings.resolved_code_dir(), spec.code.bundle)
+        root = codestore.local_tree(store, settings.resolved_code_dir(), spec.code.bundle)
     except NotFound as exc:
         raise SpecError("code.bundle", "not_found", exc.message) from None
+    except codestore.BundleCorrupt as exc:
+        raise SpecError("code.bundle", "corrupt", exc.message) from None
     code.check_entrypoint(root, spec.code.entrypoint)
 
 

@@ -33,11 +33,15 @@ class Settings(BaseSettings):
     artifact_dir: Path | None = Field(
         default=None, description="Job artifacts; default <home>/artifacts."
     )
-    code_dir: Path | None = Field(default=None, description="Code bundles; default <home>/code.")
+    code_dir: Path | None = Field(
+        default=None,
+        description="This host's cache of unpacked code bundles (and, without "
+        "HALFWAY_STORAGE_URL, the bundles themselves); default <home>/code.",
+    )
     storage_url: str | None = Field(
         default=None,
         description="Where files live: file:///path or s3://bucket/prefix (several hosts). "
-        "Default: HALFWAY_DATA_DIR and HALFWAY_ARTIFACT_DIR.",
+        "Default: HALFWAY_DATA_DIR, HALFWAY_ARTIFACT_DIR and HALFWAY_CODE_DIR.",
     )
     s3_endpoint_url: str | None = Field(
         default=None, description="An S3-compatible server (MinIO, Ceph, ...); default AWS."
@@ -148,6 +152,7 @@ class Settings(BaseSettings):
             url=self.storage_url,
             artifact_dir=str(self.resolved_artifact_dir()),
             data_dir=str(self.resolved_data_dir()),
+            code_dir=str(self.resolved_code_dir()),
             s3_endpoint_url=self.s3_endpoint_url,
             s3_region=self.s3_region,
         )

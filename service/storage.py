@@ -3,9 +3,10 @@ artifact directories) or an S3-compatible bucket (``s3://bucket/prefix``, for se
 with nothing shared but the database and the store).
 
 Everything above this module speaks keys (``"7/model.keras"``), never paths, so the API, the
-supervisor and the training child work the same on both. Two stores per deployment: the
-artifacts (a job's model, log, checkpoints, TensorBoard files under ``<job id>/``) and the
-data (uploaded datasets, under the paths specs name).
+supervisor and the training child work the same on both. Three stores per deployment: the
+artifacts (a job's model, log, checkpoints, TensorBoard files under ``<job id>/``), the
+data (uploaded datasets, under the paths specs name) and the code (one object per code
+bundle, ``service/codestore.py``).
 
 S3 is reached through boto3: the reference client, synchronous like the code that calls it,
 with multipart uploads and retries built in (s3transfer), and the client that MinIO, Ceph and
@@ -268,6 +269,7 @@ def _unavailable_on_boto_errors(cls: type[S3Store]) -> type[S3Store]:
     def wrap(method: Any) -> Any:
         @wraps(method)
         def call(*args: Any, **kwargs: Any) -> Any:
+            from boto3.exceptions import Boto3Error
             from botocore.exceptions import BotoCoreError, ClientError
 
             try:
@@ -275,7 +277,9 @@ def _unavailable_on_boto_errors(cls: type[S3Store]) -> type[S3Store]:
                 if method.__name__ == "iter_bytes":
                     return _guarded(result)
                 return result
-            except (BotoCoreError, ClientError) as exc:
+            # boto3's transfers (upload_file, download_file) turn a refused request into their
+            # own S3UploadFailedError or RetriesExceededError, not a botocore error.
+            except (BotoCoreError, ClientError, Boto3Error) as exc:
                 raise StorageUnavailable(f"the object store failed: {exc}") from exc
 
         return call
@@ -451,9 +455,10 @@ class StorageConfig:
     them from each host's own environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
     AWS_SESSION_TOKEN, AWS_PROFILE, an instance role)."""
 
-    url: str | None  # None: the two directories below
+    url: str | None  # None: the three directories below
     artifact_dir: str
     data_dir: str
+    code_dir: str
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
 
@@ -462,6 +467,7 @@ class StorageConfig:
             "url": self.url,
             "artifact_dir": self.artifact_dir,
             "data_dir": self.data_dir,
+            "code_dir": self.code_dir,
             "s3_endpoint_url": self.s3_endpoint_url,
             "s3_region": self.s3_region,
         }
@@ -475,6 +481,7 @@ class StorageConfig:
 class Storage:
     artifacts: Store
     data: Store
+    code: Store
     config: StorageConfig
 
     @property
@@ -517,7 +524,10 @@ def open_storage(config: StorageConfig) -> Storage:
     costs tens of milliseconds to build and is safe to share between threads)."""
     if not config.url:
         return Storage(
-            FileStore(Path(config.artifact_dir)), FileStore(Path(config.data_dir)), config
+            FileStore(Path(config.artifact_dir)),
+            FileStore(Path(config.data_dir)),
+            FileStore(Path(config.code_dir)),
+            config,
         )
     scheme, bucket, path = check_storage_url(config.url)
     if scheme == "file":
@@ -525,4 +535,4 @@ def open_storage(config: StorageConfig) -> Storage:
     else:
         client = s3_client(config.s3_endpoint_url, config.s3_region)
         root = S3Store(client, bucket, path)
-    return Storage(Sub(root, "artifacts"), Sub(root, "data"), config)
+    return Storage(Sub(root, "artifacts"), Sub(root, "data"), Sub(root, "code"), config)

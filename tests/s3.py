@@ -114,6 +114,7 @@ def storage(storage_kind: str, tmp_path: Path, request: pytest.FixtureRequest) -
         url=url,
         artifact_dir=str(tmp_path / "artifacts"),
         data_dir=str(tmp_path / "data"),
+        code_dir=str(tmp_path / "code"),
         s3_endpoint_url=endpoint,
     )
     return open_storage(config)

@@ -432,12 +432,14 @@ def test_worker_gets_time_to_checkpoint_on_stop(services: dict[str, dict[str, An
         assert seconds > grace, f"{name}: {value} is not more than the cancel grace {grace}s"
 
 
-def test_data_and_artifacts_are_named_volumes_shared_by_api_and_workers_at_the_settings_paths(
+def test_data_artifacts_and_code_are_named_volumes_shared_by_api_and_workers_at_the_settings_paths(
     compose: dict[str, Any], services: dict[str, dict[str, Any]], dockerfile: list[Instruction]
 ) -> None:
     named = set(compose.get("volumes") or {})
     image_env = dockerfile_env(dockerfile)
-    for var in ("HALFWAY_DATA_DIR", "HALFWAY_ARTIFACT_DIR"):
+    # Without HALFWAY_STORAGE_URL these directories are the store: a code bundle the API
+    # unpacked where no worker can read it could never run.
+    for var in ("HALFWAY_DATA_DIR", "HALFWAY_ARTIFACT_DIR", "HALFWAY_CODE_DIR"):
         sources = set()
         for name in LONG_RUNNING:
             path = service_environment(services[name]).get(var, image_env.get(var))

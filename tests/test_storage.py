@@ -77,7 +77,11 @@ def test_a_reader_seeks_so_zipfile_reads_an_npz_without_the_whole_object(
 
 
 def test_storage_urls_are_checked(tmp_path: Path) -> None:
-    base = {"artifact_dir": str(tmp_path / "a"), "data_dir": str(tmp_path / "d")}
+    base = {
+        "artifact_dir": str(tmp_path / "a"),
+        "data_dir": str(tmp_path / "d"),
+        "code_dir": str(tmp_path / "c"),
+    }
     for url in ("ftp://x/y", "s3:///prefix", "file://otherhost/x"):
         with pytest.raises(StorageError):
             open_store(StorageConfig(url=url, **base))

@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 
-from service import code
+from service import code, codestore
 from service.client.codepack import pack
 from service.normalization import normalize
 from service.schemas import JobSpec
 from service.settings import Settings
+from service.storage import open_storage
 from tests.training_runs import Run
 from workers.context import RunContext
 from workers.protocol import JobError, Message
@@ -132,8 +133,11 @@ def bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Bundle]:
     (root / "kinds" / "jobs.py").write_text(KINDS)
     settings = Settings(home=tmp_path / "home")
     settings.ensure_dirs()
-    stored = code.store(
-        io.BytesIO(pack(root)), settings.resolved_code_dir(), code.Limits(10**7, 100, 100)
+    stored = codestore.upload(
+        io.BytesIO(pack(root)),
+        open_storage(settings.storage_config()).code,
+        settings.resolved_code_dir(),
+        code.Limits(10**7, 100, 100),
     )
     # The job changes directory, sets HALFWAY_DATA_DIR and imports the bundle: undo all
     # three for the next test.

@@ -44,7 +44,14 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
     print(f"halfway: job {payload['job_id']} attempt {payload.get('attempt')} starting", flush=True)
     try:
         from workers.context import RunContext
+        from workers.staging import code_dir_for, open_payload_storage
         from workers.training import train
+
+        # Here, not in _stage, so the job's log says where the bundle came from, and a bundle
+        # that fails its digest fails the job like any JobError (no retry).
+        code_dir = code_dir_for(
+            open_payload_storage(payload), payload["spec"], _code_cache(payload)
+        )
 
         status = train(
             RunContext(
@@ -59,7 +66,7 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
                 resume_step=payload.get("resume_step"),
                 attempt=payload.get("attempt") or 1,
                 max_parameters=payload.get("max_parameters"),
-                code_dir=Path(payload["code_dir"]) if payload.get("code_dir") else None,
+                code_dir=code_dir,
                 files=files,
             )
         )
@@ -93,6 +100,13 @@ def _stage(payload: dict[str, Any]) -> tuple[JobFiles, Path]:
     files = JobFiles.for_job(storage, payload["job_id"], scratch)
     files.restore_log()
     return files, data_dir_for(storage, payload["spec"], scratch)
+
+
+def _code_cache(payload: dict[str, Any]) -> Path:
+    """This host's cache of code bundles (HALFWAY_CODE_DIR), shared by its jobs."""
+    if payload.get("code_dir"):
+        return Path(payload["code_dir"])
+    return Path(payload["scratch_dir"]) / "code"
 
 
 def device_env(gpu_ids: list[int]) -> dict[str, str]:

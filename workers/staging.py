@@ -1,5 +1,6 @@
 """A training child's files: Keras writes to a local directory, and this puts what it wrote
-into the store (and brings in what a resumed attempt needs). No TensorFlow.
+into the store (and brings in what a resumed attempt needs: its log, checkpoint, dataset
+and code bundle). No TensorFlow.
 
 On a local store (``file://``, the default) the local directory *is* the job's folder in the
 store, so nothing is copied and the API sees the log as it is written. On a remote store it
@@ -15,8 +16,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from service import code, codestore
+from service.errors import NotFound
 from service.storage import Storage, StorageConfig, Store, check_key, open_storage
 from workers import checkpoints
+from workers.protocol import JobError
 
 LOG = "train.log"
 TENSORBOARD = "tensorboard"
@@ -121,6 +125,24 @@ def data_dir_for(storage: Storage, spec: dict[str, Any], scratch: Path) -> Path:
         if size is not None and not (target.is_file() and target.stat().st_size == size):
             storage.data.get_file(key, target)
     return cache
+
+
+def code_dir_for(storage: Storage, spec: dict[str, Any], cache: Path) -> Path:
+    """This host's cache of code bundles, holding the job's own (for a code job): fetched
+    from the store, checked against its digest, once per host. A bundle the store no longer
+    holds, or holds changed, fails the job (a JobError): a retry would find the same."""
+    bundle = (spec.get("code") or {}).get("bundle")
+    if bundle is None:
+        return cache
+    try:
+        fetched = not (cache / code.hex_of(bundle)).is_dir()
+        root = codestore.fetch(storage.code, cache, bundle)
+    except (codestore.BundleCorrupt, NotFound) as exc:
+        raise JobError(exc.message) from None
+    if fetched:
+        where = storage.code.url(codestore.key_for(bundle))
+        print(f"halfway: code bundle {bundle} fetched from {where}", flush=True)
+    return root.parent
 
 
 def open_payload_storage(payload: dict[str, Any]) -> Storage:

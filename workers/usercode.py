@@ -37,14 +37,14 @@ class UserCodeError(JobError):
 
 
 def bundle_root(ctx: RunContext) -> Path:
+    """The bundle's tree in this host's cache, where the child's staging put it (fetched from
+    the store and checked against its digest: ``workers.staging.code_dir_for``)."""
     if ctx.code_dir is None:
         raise JobError("this worker has no code directory (HALFWAY_CODE_DIR)")
     digest: str = ctx.spec["code"]["bundle"]
     root = ctx.code_dir / digest.removeprefix("sha256:")
     if not root.is_dir():
-        raise JobError(
-            f"code bundle {digest} is not on this worker (HALFWAY_CODE_DIR={ctx.code_dir})"
-        )
+        raise JobError(f"code bundle {digest} was not staged in {ctx.code_dir}")
     return root
 
 

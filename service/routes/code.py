@@ -1,5 +1,6 @@
-"""Code bundles: ``POST /v1/code`` stores an archive content-addressed; ``GET
-/v1/code/{digest}`` lists what a bundle holds. Nothing here imports the code."""
+"""Code bundles: ``POST /v1/code`` checks an archive and puts its bundle in the store,
+content-addressed; ``GET /v1/code/{digest}`` lists what the store's bundle holds. Nothing
+here imports the code."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from fastapi import APIRouter, File, Path, UploadFile
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from service import code, grants
+from service import code, codestore, grants
 from service.deps import PrincipalDep, SessionDep, SettingsDep
 from service.responses import ErrorOut, error_responses
 from service.settings import Settings
+from service.storage import Store, open_storage
 
 router = APIRouter(prefix="/v1/code", tags=["code"])
 
@@ -42,6 +44,10 @@ def limits(settings: Settings) -> code.Limits:
     )
 
 
+def code_store(settings: Settings) -> Store:
+    return open_storage(settings.storage_config()).code
+
+
 @router.post(
     "",
     status_code=201,
@@ -59,7 +65,9 @@ def upload_code(
     settings: SettingsDep,
 ) -> JSONResponse:
     grants.require_code_right(session, principal, settings.code_jobs)
-    bundle = code.store(file.file, settings.resolved_code_dir(), limits(settings))
+    bundle = codestore.upload(
+        file.file, code_store(settings), settings.resolved_code_dir(), limits(settings)
+    )
     body = BundleOut(digest=bundle.digest, files=bundle.files, bytes=bundle.bytes)
     return JSONResponse(
         body.model_dump(),
@@ -71,15 +79,18 @@ def upload_code(
 @router.get(
     "/{digest}",
     response_model=BundleListing,
-    responses=error_responses(401, 404, 422),
+    responses={
+        **error_responses(401, 404, 422),
+        409: {"model": ErrorOut, "description": "The store's object is damaged: upload again"},
+    },
 )
 def get_code(
     digest: Annotated[str, Path(pattern=DIGEST, description="sha256:<64 hex digits>")],
     settings: SettingsDep,
     _: PrincipalDep,
 ) -> BundleListing:
-    root = code.find(settings.resolved_code_dir(), digest)
-    files = [BundleFile(path=p, bytes=n) for p, n in code.listing(root)]
+    found = codestore.listing(code_store(settings), settings.resolved_code_dir(), digest)
+    files = [BundleFile(path=p, bytes=n) for p, n in found]
     return BundleListing(
         digest=digest, files=len(files), bytes=sum(f.bytes for f in files), listing=files
     )
