@@ -133,7 +133,14 @@ def test_a_job_killed_on_one_host_resumes_on_another_from_the_stores_checkpoint(
     assert f"job {job_id} attempt 1 starting" in text  # host A's part of the log, from the store
     assert "missing; starting over" not in text
     assert store.exists(f"{job_id}/model.keras")
-    # Neither host kept the job's files: they live in the store.
-    for home in (host_a, host_b):
-        assert not list(home.rglob("*.keras")), home
-        assert not list(home.rglob("checkpoint-*.npz")), home
+    # The host that finished the job kept none of its files: they live in the store.
+    assert not list(host_b.rglob("*.keras")), host_b
+    assert not list(host_b.rglob("checkpoint-*.npz")), host_b
+    # Host A kept no committed checkpoint either. SIGKILLed, it can leave behind the one it
+    # was writing or uploading at that moment (newer than any acknowledged): nothing removes
+    # a killed child's scratch (README, "Several hosts").
+    assert not list(host_a.rglob("*.keras")), host_a
+    left = list(host_a.rglob("checkpoint-*.npz"))
+    assert len(left) <= 1, left
+    for path in left:
+        assert int(path.stem.rsplit("-", 1)[1]) > acknowledged, path
