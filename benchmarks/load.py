@@ -231,6 +231,9 @@ def run_wrk(base: str, token: str, job_id: int, args: argparse.Namespace) -> dic
     )
     out = subprocess.run(
         [
+            "nice",
+            "-n",
+            str(args.generator_nice),
             "wrk",
             "-t1",
             f"-c{args.pollers}",
@@ -385,7 +388,11 @@ async def run(args: argparse.Namespace, base: str, token: str, server_pid: int) 
         await client.post(f"/v1/jobs/{job_id}/cancel")
 
     print(f"database: {args.database_url or 'sqlite (temporary file)'}")
-    print(f"lean poll path: {'off' if args.no_lean else 'on'}")
+    print(
+        f"lean poll path: {'off' if args.no_lean else 'on'}; the API's nice: "
+        f"{os.environ.get('HALFWAY_API_NICE', '10 (default)')}; "
+        f"wrk's nice: {args.generator_nice if use_wrk else '-'}"
+    )
     print(
         f"pollers: {args.pollers} ({'wrk' if use_wrk else 'python'}), one job read "
         f"(If-None-Match) + one after_step read every {args.period:g} s each; "
@@ -429,6 +436,13 @@ def main() -> None:
     parser.add_argument("--period", type=float, default=1.0)
     parser.add_argument("--runs", type=int, default=2, help="Loaded windows (spread shown).")
     parser.add_argument("--python", action="store_true", help="Python pollers even with wrk.")
+    parser.add_argument(
+        "--generator-nice",
+        type=int,
+        default=10,
+        help="wrk's nice value: the dashboards stand for browsers on other machines, so by "
+        "default they wait for a free core like the API does (0: compete with the training).",
+    )
     parser.add_argument(
         "--no-lean", action="store_true", help="Every poll through FastAPI's routes (to compare)."
     )

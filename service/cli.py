@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from service import auth, grants, migrate
 from service.client import commands as client_commands
 from service.db import Database
+from service.priority import lower_this_thread
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -135,6 +136,8 @@ def serve(
                 target=supervisor.run_forever, name="halfway-worker", daemon=True
             )
             thread.start()
+        # After the supervisor's thread exists: it, and the training it spawns, keep theirs.
+        lower_this_thread(settings.api_nice)
 
     def stop() -> None:
         if supervisor is not None and thread is not None:

@@ -98,6 +98,13 @@ class Settings(BaseSettings):
         le=60,
         description="Reuse a job's summary this long for polls (0: always read the database).",
     )
+    api_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="How much lower than the training the API's threads run (nice "
+        "increment; Linux): polls wait for a free core instead of taking one from a step.",
+    )
     lean_polls: bool = Field(
         default=True,
         description="Answer polls the poll cache holds before FastAPI's routing "

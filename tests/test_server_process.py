@@ -81,6 +81,28 @@ def stop_server(server: Server) -> None:
         server.process.kill()
 
 
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def threads(pid: int) -> list[int]:
+    return [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+
+
+def nice_of(pid: int, tid: int) -> int:
+    """A thread's nice value, from the kernel (field 19 of its stat)."""
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[16])
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
     s = start_server(tmp_path)
@@ -114,10 +136,21 @@ def test_readme_example_job_finishes_with_one_row_per_step_and_no_tf_in_the_api(
     job_id = r.json()["id"]
     deadline = time.monotonic() + 300
     job = r.json()
+    niceness: dict[str, list[int]] = {}
     while job["status"] in ("queued", "running") and time.monotonic() < deadline:
         time.sleep(0.5)
         job = httpx.get(f"{server.url}/v1/jobs/{job_id}", headers=server.headers).json()
+        trainers = children(server.process.pid)
+        if job["status"] == "running" and trainers and not niceness:
+            niceness = {
+                "api": [nice_of(server.process.pid, server.process.pid)],
+                "training": [nice_of(p, t) for p in trainers for t in threads(p)],
+            }
     assert job["status"] == "succeeded", job["error"]
+    # The API's thread runs below the training (HALFWAY_API_NICE, 10 by default); the training
+    # child, and every thread of it, at the priority the server was started with.
+    assert niceness["api"] == [10], niceness
+    assert niceness["training"] and set(niceness["training"]) == {0}, niceness
     total = job["progress"]["total_steps"]
     assert total == 5 * 313
     rows = []
