@@ -254,64 +254,56 @@ def appends(session: Session, job: Job, records: Sequence[StepRecord]) -> bool:
     return all(a < b for a, b in itertools.pairwise(steps))
 
 
-def _block_summaries(records: Sequence[StepRecord]) -> dict[str, list[Any]]:
-    """The batch's summary of each block it touches, at every level, as one array per
-    column (``_MERGE_COLUMNS``). Level 0 from the rows, in one flat pass; each higher level
-    from the level-0 summaries (a batch of 333 rows touches a handful of blocks)."""
-    size = LEVEL_BLOCKS[0]
-    # Per level-0 block: block, first, last, count, loss min, loss max, loss last,
-    # scale min, scale max, scale last, overflows, non-finite losses.
-    blocks: list[list[Any]] = []
-    cur: list[Any] = [None]
-    for r in records:
-        block = r.step // size
-        if cur[0] != block:
-            scale = r.loss_scale
-            cur = [block, r.step, r.step, 0, None, None, r.loss, scale, scale, scale, 0, 0]
-            blocks.append(cur)
-        cur[2] = r.step
-        cur[3] += 1
-        loss = r.loss
-        cur[6] = loss
-        if -FLOAT32_MAX <= loss <= FLOAT32_MAX:  # False for NaN and +/-inf
-            if cur[4] is None or loss < cur[4]:
-                cur[4] = loss
-            if cur[5] is None or loss > cur[5]:
-                cur[5] = loss
-        else:
-            cur[11] += 1
-        scale = r.loss_scale
-        if scale < cur[7]:
-            cur[7] = scale
-        if scale > cur[8]:
-            cur[8] = scale
-        cur[9] = scale
-        if not r.finite:
-            cur[10] += 1
-    rows = [(0, *b) for b in blocks]
-    for level in range(1, len(LEVEL_BLOCKS)):
-        per = LEVEL_BLOCKS[level] // size
-        merged: dict[int, list[Any]] = {}
-        for b in blocks:  # in step order, so a later block's "last" wins
-            key = b[0] // per
-            m = merged.get(key)
-            if m is None:
-                merged[key] = [key, *b[1:]]
-                continue
-            m[2] = b[2]
-            m[3] += b[3]
-            m[4] = b[4] if m[4] is None else m[4] if b[4] is None else min(m[4], b[4])
-            m[5] = b[5] if m[5] is None else m[5] if b[5] is None else max(m[5], b[5])
-            m[6] = b[6]
-            m[7] = min(m[7], b[7])
-            m[8] = max(m[8], b[8])
-            m[9] = b[9]
-            m[10] += b[10]
-            m[11] += b[11]
-        rows += [(level, *m) for m in merged.values()]
-    transposed = zip(*rows, strict=True)
-    columns = {name: list(values) for name, values in zip(_MERGE_COLUMNS, transposed, strict=True)}
-    return columns
+def _values(records: Sequence[StepRecord]) -> Any:
+    """The batch as an n x 5 float64 array (step, epoch, loss, scale, finite): one pass over
+    the records' fields, without the per-row sequence checks of ``np.array``."""
+    flat = np.fromiter(itertools.chain.from_iterable(records), np.float64, 5 * len(records))
+    return flat.reshape(len(records), 5)
+
+
+def _block_params(values: Any) -> dict[str, bytes]:
+    """The batch's summary of each block it touches, at every level, as one binary array per
+    column (``_MERGE_COLUMNS``, as ``r_<column>``), by numpy. The steps increase, so each
+    block's rows are one run; the rows are laid out once per level, end to end, so that one
+    ``reduceat`` per column summarizes every block of every level."""
+    n = len(values)
+    steps = values[:, 0].astype(np.int64)
+    loss, scale = values[:, 2], values[:, 3]
+    finite_loss = np.abs(loss) <= FLOAT32_MAX  # False for NaN and +/-inf
+    levels = len(LEVEL_BLOCKS)
+    block = np.concatenate([steps // size for size in LEVEL_BLOCKS])
+    cut = np.empty(levels * n, dtype=bool)
+    cut[0] = True
+    np.not_equal(block[1:], block[:-1], out=cut[1:])
+    cut[n::n] = True  # each level's first row starts a block, whatever its number
+    starts = np.flatnonzero(cut)
+    ends = np.append(starts[1:], levels * n) - 1
+    first, last = starts % n, ends % n
+
+    def tiled(column: Any) -> Any:
+        return np.tile(column, levels)
+
+    finite_losses = tiled(np.where(finite_loss, loss, np.nan))  # fmin and fmax skip NaN
+    scales = tiled(scale)
+    columns: dict[str, Any] = {
+        "level": starts // n,
+        "block": block[starts],
+        "first_step": steps[first],
+        "last_step": steps[last],
+        "count": ends - starts + 1,
+        "loss_min": np.fmin.reduceat(finite_losses, starts),  # NaN: no finite loss
+        "loss_max": np.fmax.reduceat(finite_losses, starts),
+        "loss_last": loss[last],
+        "scale_min": np.minimum.reduceat(scales, starts),
+        "scale_max": np.maximum.reduceat(scales, starts),
+        "scale_last": scale[last],
+        "overflow_count": np.add.reduceat(tiled(values[:, 4] == 0).astype(np.int64), starts),
+        "nonfinite_loss_count": np.add.reduceat(tiled(~finite_loss).astype(np.int64), starts),
+    }
+    return {
+        f"r_{name}": _array("float4" if name in _FLOAT_COLUMNS else "int4", column)
+        for name, column in columns.items()
+    }
 
 
 def previous_scale(job: Job, first: int) -> float | None:
@@ -336,7 +328,7 @@ def append_pg(
     rows were written, and the caller must take the general path. ``durable=False`` lets
     the commit return before the disk has the transaction (``history.relax_commit``), set
     by the same statement rather than a round trip of its own."""
-    values = np.array(records, dtype=np.float64).reshape(len(records), 5)
+    values = _values(records)
     copied = len(records) >= COPY_ROWS
     params: dict[str, Any] = {"job_id": job.id, "synchronous_commit": "on" if durable else "off"}
     if not copied:
@@ -354,11 +346,7 @@ def append_pg(
         "ev_new": _array("float4", [e["new_scale"] for e in events]),
         "ev_growth": _array("bool", [e["reason"] == "growth" for e in events]),
     }
-    for name, column in _block_summaries(records).items():
-        if name in _FLOAT_COLUMNS:
-            params[f"r_{name}"] = _array("float4", [math.nan if v is None else v for v in column])
-        else:
-            params[f"r_{name}"] = _array("int4", column)
+    params |= _block_params(values)
     params |= {f"j_{c}": summary.get(c, getattr(job, c)) for c in _SUMMARY_COLUMNS}
     if params["j_last_loss"] is not None and math.isnan(params["j_last_loss"]):
         params["j_last_loss"] = None  # NanAsNullReal
@@ -483,18 +471,6 @@ class HeldWrite:
     held: Held
 
 
-def held_appends(held: Held, records: Sequence[StepRecord]) -> bool:
-    """Whether ``HeldAppender.append`` may take this batch: rows in increasing step order,
-    all past where the history ended, few enough for one statement (larger batches go in by
-    COPY on the general path)."""
-    if not records or len(records) >= COPY_ROWS:
-        return False
-    if held.last_step is not None and records[0].step <= held.last_step:
-        return False
-    steps = [r.step for r in records]
-    return all(a < b for a, b in itertools.pairwise(steps))
-
-
 class HeldAppender:
     """The worker's connection for ``_HELD_APPEND_PG``: its own, in autocommit, opened on
     first use. A connection found dead (the server restarted, an idle connection was cut)
@@ -532,11 +508,15 @@ class HeldAppender:
         steps_per_second: float | None,
         durable: bool,
     ) -> HeldWrite | None:
-        """Renew the lease and write the batch (``held_appends`` said yes) in one statement.
-        None if nothing was written: the lease is not ours, or the history is not where
-        ``held`` says (the caller takes the general path, which tells the two apart).
-        Raises ``psycopg.OperationalError`` if the database cannot be reached."""
+        """Renew the lease and write the batch in one statement. None if nothing was
+        written: the batch does not only append (its steps must increase, all past where
+        ``held`` says the history ends, and be fewer than ``COPY_ROWS``: larger batches go in
+        by COPY), the lease is not ours, or the history is not where ``held`` says. The
+        caller then takes the general path, which tells these apart. Raises
+        ``psycopg.OperationalError`` if the database cannot be reached."""
         params = _held_params(job_id, worker_id, lease_seconds, held, records, steps_per_second)
+        if params is None:
+            return None
         params["synchronous_commit"] = "on" if durable else "off"
         while True:
             reused = self._conn is not None and not self._conn.closed
@@ -564,10 +544,17 @@ def _held_params(
     held: Held,
     records: Sequence[StepRecord],
     steps_per_second: float | None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """The statement's parameters: the batch's columns, events and block summaries as
-    binary arrays, the summary's new values and what each counter grows by."""
-    values = np.array(records, dtype=np.float64).reshape(len(records), 5)
+    binary arrays, the summary's new values and what each counter grows by. None if the
+    batch does not only append."""
+    if not records or len(records) >= COPY_ROWS:
+        return None
+    if held.last_step is not None and records[0].step <= held.last_step:
+        return None
+    values = _values(records)
+    if not np.all(np.diff(values[:, 0]) > 0):
+        return None
     scales = values[:, 3]
     # The scale events (``history.scale_events``): each step whose scale differs from the
     # step before's; the first step's only when the step before is the held last step.
@@ -614,9 +601,4 @@ def _held_params(
         "ev_new": _array("float4", new),
         "ev_growth": _array("bool", growth),
     }
-    for name, column in _block_summaries(records).items():
-        if name in _FLOAT_COLUMNS:
-            params[f"r_{name}"] = _array("float4", [math.nan if v is None else v for v in column])
-        else:
-            params[f"r_{name}"] = _array("int4", column)
-    return params
+    return params | _block_params(values)

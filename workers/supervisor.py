@@ -25,7 +25,7 @@ from sqlalchemy.exc import DBAPIError
 from service import history, jobs
 from service.db import Database
 from service.history import StepRecord
-from service.ingest import Held, HeldAppender, held_appends
+from service.ingest import Held, HeldAppender
 from service.metrics import HISTORY_WRITE_LATENCY
 from service.settings import Settings
 from service.storage import open_storage
@@ -408,7 +408,6 @@ class Supervisor:
             or run.new_warnings
             or run.new_forensics
             or run.new_notes
-            or not held_appends(run.held, pending)
         ):
             return None
         try:
