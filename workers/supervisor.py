@@ -420,8 +420,16 @@ class Supervisor:
                 steps_per_second=run.steps_per_second,
                 durable=durable,
             )
-        except psycopg.Error as exc:  # the general path meets the same trouble, and says so
+        except psycopg.OperationalError as exc:  # the general path meets it too, and says so
             log.debug("job %s: one-statement flush failed: %s", run.job_id, exc)
+            return None
+        except psycopg.Error as exc:  # not an outage: a fault of the statement itself
+            log.warning(
+                "job %s: one-statement flush failed, taking the general path: %s",
+                run.job_id,
+                exc,
+                extra=self._context(run.job_id),
+            )
             return None
         if written is None:
             return None
