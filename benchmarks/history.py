@@ -15,6 +15,9 @@
     .venv/bin/python benchmarks/history.py \\
         --databases sqlite,postgresql://root@127.0.0.1:5432/bench --steps 100000,1000000
 
+``--only ingest`` measures the ingest alone (``--repeat`` times at each batch size, each
+figure printed, then the median and the spread).
+
 Each PostgreSQL database named is wiped (its tables dropped and recreated).
 """
 
@@ -257,6 +260,28 @@ def row(what: str, value: str, note: str = "") -> None:
     print(f"  {what:60s} {value:>16s}  {note}", flush=True)
 
 
+def bench_ingest(url: str, steps: int, repeat: int) -> None:
+    """Only the ingest, ``repeat`` times at each batch size (a fresh job each time)."""
+    home = Path(tempfile.mkdtemp())
+    try:
+        db = fresh_database(url, home)
+        db_url = db.engine.url.render_as_string(hide_password=False)
+        settings = Settings(home=home, database_url=db_url, lease_seconds=600)
+        records = synthetic(steps)
+        print(f"database: {db.dialect}; jobs of {steps:,} steps", flush=True)
+        for batch in (333, 10_000):
+            rates = [ingest(db, settings, records, batch)[0] for _ in range(repeat)]
+            each = ", ".join(f"{r:,.0f}" for r in rates)
+            row(
+                f"ingest, supervisor's flush, batches of {batch:,}",
+                f"{statistics.median(rates):,.0f} steps/s",
+                f"(median; min {min(rates):,.0f}, max {max(rates):,.0f}: {each})",
+            )
+        db.dispose()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def bench(url: str, steps: int, repeat: int, points: int) -> None:
     home = Path(tempfile.mkdtemp())
     try:
@@ -373,11 +398,15 @@ def main() -> None:
     parser.add_argument("--steps", default="100000,1000000", help="Comma-separated job sizes.")
     parser.add_argument("--points", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--only", choices=["ingest"], help="Measure only this part.")
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f} (2-minute: {os.getloadavg()[1]:.2f})")
     for url in args.databases.split(","):
         for steps in (int(s) for s in args.steps.split(",")):
-            bench(url, steps, args.repeat, args.points)
+            if args.only == "ingest":
+                bench_ingest(url, steps, args.repeat)
+            else:
+                bench(url, steps, args.repeat, args.points)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

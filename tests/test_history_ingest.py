@@ -7,6 +7,7 @@ PostgreSQL."""
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -182,26 +183,30 @@ def test_renew_and_load_is_fenced_like_the_lease_renewal(api: Api, db: Database)
         assert jobs.renew_and_load(s, job_id=job_id, worker_id="w2", lease_seconds=30) is None
 
 
+# 333: the one-statement flush after the first (which loads the job); 1000: the general path.
+@pytest.mark.parametrize("batch", [333, ingest.COPY_ROWS])
 def test_rows_a_database_crash_took_back_are_written_again_by_the_next_flush(
-    api: Api, db: Database, settings: Settings
+    api: Api, db: Database, settings: Settings, batch: int
 ) -> None:
     job_id = claimed(db, api, "w1")
     supervisor = Supervisor(db, settings, worker_id="w1")
     run = _Run(job_id=job_id, attempt=1)
     records = synthetic_history(3000, seed=13)
-    run.pending = records[:1000]
-    assert supervisor._sync(run)
-    run.pending = records[1000:2000]
-    assert supervisor._sync(run)
-    assert run.unsynced == records[:2000] and run.relaxed_flushes == 2
+    for i in range(0, 2000, batch):
+        run.pending = records[i : min(i + batch, 2000)]
+        assert supervisor._sync(run)
+    assert run.unsynced == records[:2000] and run.relaxed_flushes == -(-2000 // batch)
     # What a crash leaves when the last commits had not reached the disk: the database as it
-    # was before them.
+    # was before them. Cut where the scale is the one the worker wrote last, so that only the
+    # last step tells the worker its history moved.
+    cut = min(i for i in range(1000, 1999) if records[i - 1].loss_scale == records[1999].loss_scale)
     with db.write() as s:
         job = s.get(Job, job_id)
         assert job is not None
-        history.truncate_after(s, job, 1500)
-    run.pending = records[2000:]
-    assert supervisor._sync(run)
+        history.truncate_after(s, job, cut)
+    for i in range(2000, 3000, batch):
+        run.pending = records[i : i + batch]
+        assert supervisor._sync(run)
     assert stored_steps(db, job_id) == list(range(3000))
     assert summary(db, job_id) == expected_summary(records)
     assert rollups(db, job_id) == recomputed(db, job_id, 0, 2999)
@@ -265,3 +270,123 @@ def test_a_write_that_need_not_be_durable_commits_without_waiting_for_the_disk(
                 assert setting == ("on" if durable else "off")
     assert stored_steps(db, job_id) == list(range(600))
     assert summary(db, job_id) == expected_summary(records)
+
+
+def counters(db: Database, job_id: int) -> dict[str, Any]:
+    with db.read() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        return {
+            "steps_recorded": job.steps_recorded,
+            "overflows_recorded": job.overflows_recorded,
+            "backoffs_recorded": job.backoffs_recorded,
+            "epoch": job.epoch,
+            "last_loss": "nan" if math.isnan(job.last_loss or 0.0) else job.last_loss,
+            "history_version": job.history_version,
+        }
+
+
+def expected_counters(records: list[StepRecord], history_version: int = 0) -> dict[str, Any]:
+    evs = history.scale_events(records, None)
+    last = records[-1]
+    return {
+        "steps_recorded": len(records),
+        "overflows_recorded": sum(1 for r in records if not r.finite),
+        "backoffs_recorded": sum(1 for e in evs if e["reason"] == "overflow"),
+        "epoch": last.epoch,
+        "last_loss": "nan" if math.isnan(last.loss) else last.loss,
+        "history_version": history_version,
+    }
+
+
+def flush(supervisor: Supervisor, run: _Run, records: list[StepRecord], batch: int) -> None:
+    for i in range(0, len(records), batch):
+        run.pending = records[i : i + batch]
+        assert supervisor._sync(run)
+        assert not run.lease_lost and run.pending == []
+
+
+def test_flushes_of_a_few_hundred_rows_leave_rollups_events_and_counters_exact(
+    api: Api, db: Database, settings: Settings
+) -> None:
+    job_id = claimed(db, api, "w1")
+    supervisor = Supervisor(db, settings, worker_id="w1")
+    run = _Run(job_id=job_id, attempt=1)
+    # Across a level-2 block edge, with overflows, growth, NaN and infinite losses; a scale
+    # change falls on the first step of a batch (333 * 3), where only the job's summary
+    # knows the scale before it.
+    records = synthetic_history(6000, seed=21, start=262144 - 3000)
+    change = 999
+    records = [
+        r._replace(loss_scale=r.loss_scale / 2 if i >= change else r.loss_scale)
+        for i, r in enumerate(records)
+    ]
+    flush(supervisor, run, records, 333)
+    first, last = records[0].step, records[-1].step
+    assert stored_steps(db, job_id) == list(range(first, last + 1))
+    assert rollups(db, job_id) == recomputed(db, job_id, first, last)
+    assert events(db, job_id) == expected_events(records)
+    assert (records[change].step, "overflow") in [(e[0], e[3]) for e in events(db, job_id)]
+    assert summary(db, job_id) == expected_summary(records)
+    assert counters(db, job_id) == expected_counters(records)
+
+
+def test_a_worker_whose_lease_was_taken_over_writes_nothing_with_its_next_flush(
+    api: Api, db: Database, settings: Settings
+) -> None:
+    job_id = claimed(db, api, "w1")
+    supervisor = Supervisor(db, settings, worker_id="w1")
+    run = _Run(job_id=job_id, attempt=1)
+    records = synthetic_history(1000, seed=22)
+    flush(supervisor, run, records[:666], 333)
+    with db.write() as s:  # w1's lease ran out and w2 reclaimed the job
+        s.execute(
+            text("UPDATE job SET lease_expires_at = :t WHERE id = :id"),
+            {"t": utcnow() - timedelta(seconds=1), "id": job_id},
+        )
+    with db.write() as s:
+        claim = jobs.claim_next(s, worker_id="w2", lease_seconds=30, gpus_held=0)
+        assert claim is not None and claim.job_id == job_id and claim.attempt == 2
+    with db.read() as s:
+        before = s.execute(select(Job.lease_expires_at, Job.updated_at).where(Job.id == job_id))
+        lease_before = before.one()
+    run.pending = records[666:]
+    assert supervisor._sync(run)
+    assert run.lease_lost
+    assert stored_steps(db, job_id) == list(range(666))
+    assert summary(db, job_id) == expected_summary(records[:666])
+    assert counters(db, job_id) == expected_counters(records[:666])
+    assert rollups(db, job_id) == recomputed(db, job_id, 0, 665)
+    with db.read() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        assert job.worker_id == "w2"
+        assert (job.lease_expires_at, job.updated_at) == tuple(lease_before)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_flush_on_a_connection_the_database_dropped_goes_again_on_a_new_one(
+    api: Api, db: Database, settings: Settings
+) -> None:
+    job_id = claimed(db, api, "w1")
+    supervisor = Supervisor(db, settings, worker_id="w1")
+    run = _Run(job_id=job_id, attempt=1)
+    records = synthetic_history(999, seed=23)
+    flush(supervisor, run, records[:666], 333)
+    name = "halfway-worker w1"
+    backends = text("SELECT pid FROM pg_stat_activity WHERE application_name = :name")
+    with db.engine.connect() as conn:  # as a server restart or a cut idle connection would
+        (pid,) = conn.execute(backends, {"name": name}).scalars().all()
+        # Waits for the backend to exit (its second argument: a timeout in milliseconds).
+        ended = text("SELECT pg_terminate_backend(:pid, 30000)")
+        assert conn.execute(ended, {"pid": pid}).scalar()
+    flush(supervisor, run, records[666:], 333)
+    assert stored_steps(db, job_id) == list(range(999))
+    assert summary(db, job_id) == expected_summary(records)
+    assert counters(db, job_id) == expected_counters(records)
+    assert rollups(db, job_id) == recomputed(db, job_id, 0, 998)
+    assert events(db, job_id) == expected_events(records)
+    with db.engine.connect() as conn:  # that flush went through the worker's connection
+        (again,) = conn.execute(backends, {"name": name}).scalars().all()
+    assert again != pid
+    supervisor.close()

@@ -19,11 +19,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from sqlalchemy.exc import DBAPIError
 
 from service import history, jobs
 from service.db import Database
 from service.history import StepRecord
+from service.ingest import Held, HeldAppender
 from service.metrics import HISTORY_WRITE_LATENCY
 from service.settings import Settings
 from service.storage import open_storage
@@ -85,6 +87,8 @@ class _Run:
     # Rows committed without waiting for the disk (see _sync), kept until a commit that waits.
     unsynced: list[StepRecord] = field(default_factory=list)
     relaxed_flushes: int = 0
+    # Where the job's history ended after our last write, for the one-statement flush.
+    held: Held | None = None
 
 
 class Supervisor:
@@ -109,6 +113,11 @@ class Supervisor:
         self.storage = open_storage(settings.storage_config())
         self.stop_event = threading.Event()
         self.current_job: int | None = None
+        self.appender = (
+            HeldAppender(db.engine, f"halfway-worker {self.worker_id}")
+            if db.dialect == "postgresql"
+            else None
+        )
 
     # ---------------------------------------------------------------------------------------
     # The loop
@@ -123,10 +132,16 @@ class Supervisor:
                 ran = False
             if not ran:
                 self.stop_event.wait(self.settings.poll_seconds)
+        self.close()
         log.info("worker %s stopped", self.worker_id)
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def close(self) -> None:
+        """Close the supervisor's own database connection (the flushes'), if it has one."""
+        if self.appender is not None:
+            self.appender.close()
 
     def gpus_free(self) -> bool:
         """Whether this slot's GPUs are free of the previous job's memory: a cancelled or
@@ -327,80 +342,27 @@ class Supervisor:
             and not run.new_warnings
             and not run.new_forensics
         )
-        try:
-            with self.db.write() as session:
-                job = jobs.renew_and_load(
-                    session,
-                    job_id=run.job_id,
-                    worker_id=self.worker_id,
-                    lease_seconds=self.settings.lease_seconds,
-                )
-                if job is None:
-                    run.lease_lost = True
-                    return True
-                run.cancel_requested = run.cancel_requested or job.cancel_requested
-                now = job.updated_at  # the database's clock
-                if run.missing_checkpoint is not None:
-                    job.notes = [*job.notes, run.missing_checkpoint]
-                    job.attempt_errors = [
-                        *job.attempt_errors,
-                        {
-                            "attempt": run.attempt,
-                            "error": run.missing_checkpoint,
-                            "at": now.isoformat(),
-                        },
-                    ]
-                stored = -1 if job.last_step is None else job.last_step
-                lost = [r for r in run.unsynced if r.step > stored]
-                if lost:
+        held = self._append_held(run, pending, durable=not relaxed)
+        if held is None:
+            try:
+                held = self._write(run, pending, durable=not relaxed)
+            except DBAPIError as exc:
+                if run.db_down_since is None:
+                    run.db_down_since = time.monotonic()
                     log.warning(
-                        "job %s: the database lost %d committed rows (a crash before they "
-                        "reached its disk); writing them again",
+                        "job %s: database write failed, keeping %d rows: %s",
                         run.job_id,
-                        len(lost),
+                        len(pending),
+                        exc.orig,
                         extra=self._context(run.job_id),
                     )
-                if run.truncate_at is not None:
-                    history.truncate_after(session, job, run.truncate_at)
-                for key, value in run.updates.items():
-                    setattr(job, key, value)
-                if run.metrics is not None:
-                    job.metrics = {**job.metrics, **run.metrics}
-                if run.new_forensics:
-                    # A resumed attempt may capture a step again; keep one report per step.
-                    seen = {f["step"] for f in job.forensics}
-                    job.forensics = [
-                        *job.forensics,
-                        *(f for f in run.new_forensics if f["step"] not in seen),
-                    ]
-                if run.new_notes:
-                    job.notes = [*job.notes, *(n for n in run.new_notes if n not in job.notes)]
-                if run.new_warnings:
-                    job.warnings = [
-                        *job.warnings,
-                        *(w for w in run.new_warnings if w not in job.warnings),
-                    ]
-                history.write_steps(
-                    session,
-                    job,
-                    lost + pending,
-                    now=now,
-                    steps_per_second=run.steps_per_second,
-                    durable=not relaxed,
-                )
-        except DBAPIError as exc:
-            if run.db_down_since is None:
-                run.db_down_since = time.monotonic()
-                log.warning(
-                    "job %s: database write failed, keeping %d rows: %s",
-                    run.job_id,
-                    len(pending),
-                    exc.orig,
-                    extra=self._context(run.job_id),
-                )
-            run.next_db_try = time.monotonic() + run.db_backoff
-            run.db_backoff = min(run.db_backoff * 2, DB_RETRY_MAX_SECONDS)
-            return False
+                run.next_db_try = time.monotonic() + run.db_backoff
+                run.db_backoff = min(run.db_backoff * 2, DB_RETRY_MAX_SECONDS)
+                return False
+            if held is None:
+                run.lease_lost = True
+                return True
+        run.held = held
         HISTORY_WRITE_LATENCY.observe(time.perf_counter() - started)
         acknowledged = run.updates.get("checkpoint_step")
         if acknowledged is not None:
@@ -430,6 +392,113 @@ class Supervisor:
         run.missing_checkpoint = None
         run.last_sync = time.monotonic()
         return True
+
+    def _append_held(self, run: _Run, pending: list[StepRecord], *, durable: bool) -> Held | None:
+        """The common flush, history only, in one statement on the supervisor's own
+        connection (``ingest.HeldAppender``). None when it cannot or did not write: the
+        general path (``_write``) then runs, and tells a lost lease from a history that is
+        not where we left it."""
+        if (
+            self.appender is None
+            or run.held is None
+            or run.truncate_at is not None
+            or run.missing_checkpoint is not None
+            or run.updates
+            or run.metrics is not None
+            or run.new_warnings
+            or run.new_forensics
+            or run.new_notes
+        ):
+            return None
+        try:
+            written = self.appender.append(
+                job_id=run.job_id,
+                worker_id=self.worker_id,
+                lease_seconds=self.settings.lease_seconds,
+                held=run.held,
+                records=pending,
+                steps_per_second=run.steps_per_second,
+                durable=durable,
+            )
+        except psycopg.OperationalError as exc:  # the general path meets it too, and says so
+            log.debug("job %s: one-statement flush failed: %s", run.job_id, exc)
+            return None
+        except psycopg.Error as exc:  # not an outage: a fault of the statement itself
+            log.warning(
+                "job %s: one-statement flush failed, taking the general path: %s",
+                run.job_id,
+                exc,
+                extra=self._context(run.job_id),
+            )
+            return None
+        if written is None:
+            return None
+        run.cancel_requested = run.cancel_requested or written.cancel_requested
+        return written.held
+
+    def _write(self, run: _Run, pending: list[StepRecord], *, durable: bool) -> Held | None:
+        """The general flush: renew the lease, load the job, write what is pending, in one
+        transaction. None if the lease is not ours any more; else where the history ends."""
+        with self.db.write() as session:
+            job = jobs.renew_and_load(
+                session,
+                job_id=run.job_id,
+                worker_id=self.worker_id,
+                lease_seconds=self.settings.lease_seconds,
+            )
+            if job is None:
+                return None
+            run.cancel_requested = run.cancel_requested or job.cancel_requested
+            now = job.updated_at  # the database's clock
+            if run.missing_checkpoint is not None:
+                job.notes = [*job.notes, run.missing_checkpoint]
+                job.attempt_errors = [
+                    *job.attempt_errors,
+                    {
+                        "attempt": run.attempt,
+                        "error": run.missing_checkpoint,
+                        "at": now.isoformat(),
+                    },
+                ]
+            stored = -1 if job.last_step is None else job.last_step
+            lost = [r for r in run.unsynced if r.step > stored]
+            if lost:
+                log.warning(
+                    "job %s: the database lost %d committed rows (a crash before they "
+                    "reached its disk); writing them again",
+                    run.job_id,
+                    len(lost),
+                    extra=self._context(run.job_id),
+                )
+            if run.truncate_at is not None:
+                history.truncate_after(session, job, run.truncate_at)
+            for key, value in run.updates.items():
+                setattr(job, key, value)
+            if run.metrics is not None:
+                job.metrics = {**job.metrics, **run.metrics}
+            if run.new_forensics:
+                # A resumed attempt may capture a step again; keep one report per step.
+                seen = {f["step"] for f in job.forensics}
+                job.forensics = [
+                    *job.forensics,
+                    *(f for f in run.new_forensics if f["step"] not in seen),
+                ]
+            if run.new_notes:
+                job.notes = [*job.notes, *(n for n in run.new_notes if n not in job.notes)]
+            if run.new_warnings:
+                job.warnings = [
+                    *job.warnings,
+                    *(w for w in run.new_warnings if w not in job.warnings),
+                ]
+            history.write_steps(
+                session,
+                job,
+                lost + pending,
+                now=now,
+                steps_per_second=run.steps_per_second,
+                durable=durable,
+            )
+            return Held.of(job)
 
     # ---------------------------------------------------------------------------------------
     # The end of an attempt
