@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,13 +35,12 @@ from service.models import FLOAT32_MAX, Job, float32
 from service.rollups import LEVEL_BLOCKS
 
 if TYPE_CHECKING:
-    from sqlalchemy import Engine
     from sqlalchemy.orm import Session
 
     from service.history import StepRecord
 
 
-_MERGE_COLUMNS = (
+MERGE_COLUMNS = (
     "level",
     "block",
     "first_step",
@@ -80,8 +77,8 @@ _SUMMARY_COLUMNS = (
 # NaN equal to NaN), so every array is fixed-width. Every part after ``steps`` runs only when
 # ``steps`` stored the whole batch. In DO UPDATE, ``r`` is the stored row before this
 # statement; LEAST and GREATEST skip NULLs (a block with no finite loss yet).
-_MERGE_VALUES = ", ".join(
-    f"NULLIF(b.{c}, 'NaN'::real)" if c in _FLOAT_COLUMNS else f"b.{c}" for c in _MERGE_COLUMNS
+MERGE_VALUES = ", ".join(
+    f"NULLIF(b.{c}, 'NaN'::real)" if c in _FLOAT_COLUMNS else f"b.{c}" for c in MERGE_COLUMNS
 )
 _ROWS_PG = """
     steps AS (
@@ -106,10 +103,10 @@ _SUMMARIES_PG = f"""
         ON CONFLICT (job_id, step) DO UPDATE SET old_scale = excluded.old_scale,
             new_scale = excluded.new_scale, reason = excluded.reason
     ), rollups AS (
-        INSERT INTO step_rollup AS r (job_id, {", ".join(_MERGE_COLUMNS)})
-        SELECT %(job_id)s, {_MERGE_VALUES}
-        FROM unnest({", ".join(f"%(r_{c})b" for c in _MERGE_COLUMNS)})
-             AS b({", ".join(_MERGE_COLUMNS)}), whole
+        INSERT INTO step_rollup AS r (job_id, {", ".join(MERGE_COLUMNS)})
+        SELECT %(job_id)s, {MERGE_VALUES}
+        FROM unnest({", ".join(f"%(r_{c})b" for c in MERGE_COLUMNS)})
+             AS b({", ".join(MERGE_COLUMNS)}), whole
         WHERE whole.ok
         ON CONFLICT (job_id, level, block) DO UPDATE SET
             first_step = LEAST(r.first_step, excluded.first_step),
@@ -197,7 +194,7 @@ def _copy_payload(job_id: int, values: Any) -> bytes:
 
 
 class _BinaryArray(Dumper):
-    """Sends a ready-made binary array (``_array``) as it is."""
+    """Sends a ready-made binary array (``array_param``) as it is."""
 
     format = psycopg.pq.Format.BINARY
 
@@ -222,14 +219,14 @@ _ARRAY_TYPES: dict[str, tuple[type[bytes], str]] = {
     "float4": (_Float4Array, ">f4"),
     "bool": (_BoolArray, "u1"),
 }
-_DUMPERS: list[tuple[type[bytes], type[Dumper]]] = []
+DUMPERS: list[tuple[type[bytes], type[Dumper]]] = []
 for _name, (_cls, _) in _ARRAY_TYPES.items():
     _info = psycopg.postgres.types.get(_name)
     assert _info is not None
-    _DUMPERS.append((_cls, type(f"_{_name}ArrayDumper", (_BinaryArray,), {"oid": _info.array_oid})))
+    DUMPERS.append((_cls, type(f"_{_name}ArrayDumper", (_BinaryArray,), {"oid": _info.array_oid})))
 
 
-def _array(kind: str, values: Any) -> bytes:
+def array_param(kind: str, values: Any) -> bytes:
     """A one-dimensional array without NULLs in PostgreSQL's binary format: dimensions, null
     flag, element type, then length and lower bound, then each element's size and value."""
     cls, element = _ARRAY_TYPES[kind]
@@ -254,16 +251,16 @@ def appends(session: Session, job: Job, records: Sequence[StepRecord]) -> bool:
     return all(a < b for a, b in itertools.pairwise(steps))
 
 
-def _values(records: Sequence[StepRecord]) -> Any:
+def step_values(records: Sequence[StepRecord]) -> Any:
     """The batch as an n x 5 float64 array (step, epoch, loss, scale, finite): one pass over
     the records' fields, without the per-row sequence checks of ``np.array``."""
     flat = np.fromiter(itertools.chain.from_iterable(records), np.float64, 5 * len(records))
     return flat.reshape(len(records), 5)
 
 
-def _block_params(values: Any) -> dict[str, bytes]:
+def block_params(values: Any) -> dict[str, bytes]:
     """The batch's summary of each block it touches, at every level, as one binary array per
-    column (``_MERGE_COLUMNS``, as ``r_<column>``), by numpy. The steps increase, so each
+    column (``MERGE_COLUMNS``, as ``r_<column>``), by numpy. The steps increase, so each
     block's rows are one run; the rows are laid out once per level, end to end, so that one
     ``reduceat`` per column summarizes every block of every level."""
     n = len(values)
@@ -301,7 +298,7 @@ def _block_params(values: Any) -> dict[str, bytes]:
         "nonfinite_loss_count": np.add.reduceat(tiled(~finite_loss).astype(np.int64), starts),
     }
     return {
-        f"r_{name}": _array("float4" if name in _FLOAT_COLUMNS else "int4", column)
+        f"r_{name}": array_param("float4" if name in _FLOAT_COLUMNS else "int4", column)
         for name, column in columns.items()
     }
 
@@ -328,25 +325,25 @@ def append_pg(
     rows were written, and the caller must take the general path. ``durable=False`` lets
     the commit return before the disk has the transaction (``history.relax_commit``), set
     by the same statement rather than a round trip of its own."""
-    values = _values(records)
+    values = step_values(records)
     copied = len(records) >= COPY_ROWS
     params: dict[str, Any] = {"job_id": job.id, "synchronous_commit": "on" if durable else "off"}
     if not copied:
         params |= {
             "rows": len(records),
-            "step": _array("int4", values[:, 0]),
-            "epoch": _array("int4", values[:, 1]),
-            "loss": _array("float4", values[:, 2]),
-            "loss_scale": _array("float4", values[:, 3]),
-            "finite": _array("bool", values[:, 4] != 0),
+            "step": array_param("int4", values[:, 0]),
+            "epoch": array_param("int4", values[:, 1]),
+            "loss": array_param("float4", values[:, 2]),
+            "loss_scale": array_param("float4", values[:, 3]),
+            "finite": array_param("bool", values[:, 4] != 0),
         }
     params |= {
-        "ev_step": _array("int4", [e["step"] for e in events]),
-        "ev_old": _array("float4", [e["old_scale"] for e in events]),
-        "ev_new": _array("float4", [e["new_scale"] for e in events]),
-        "ev_growth": _array("bool", [e["reason"] == "growth" for e in events]),
+        "ev_step": array_param("int4", [e["step"] for e in events]),
+        "ev_old": array_param("float4", [e["old_scale"] for e in events]),
+        "ev_new": array_param("float4", [e["new_scale"] for e in events]),
+        "ev_growth": array_param("bool", [e["reason"] == "growth" for e in events]),
     }
-    params |= _block_params(values)
+    params |= block_params(values)
     params |= {f"j_{c}": summary.get(c, getattr(job, c)) for c in _SUMMARY_COLUMNS}
     if params["j_last_loss"] is not None and math.isnan(params["j_last_loss"]):
         params["j_last_loss"] = None  # NanAsNullReal
@@ -359,7 +356,7 @@ def append_pg(
                     copy.write(_copy_payload(job.id, values))
             except psycopg.errors.UniqueViolation:
                 return False  # the savepoint is rolled back: nothing of the batch is stored
-        for cls, dumper in _DUMPERS:
+        for cls, dumper in DUMPERS:
             cursor.adapters.register_dumper(cls, dumper)
         cursor.execute(_MERGE_PG if copied else _APPEND_PG, params)
         whole = cursor.fetchone() is not None
@@ -367,238 +364,3 @@ def append_pg(
         for name, value in summary.items():
             set_committed_value(job, name, value)
     return whole
-
-
-# --------------------------------------------------------------------------------------------
-# The worker's flush in one statement: the fenced lease renewal, the rows, the rollups, the
-# scale events and the summary, run on a connection of the worker's own in autocommit (so the
-# statement is its own transaction: no BEGIN, no COMMIT, no pool check-out), one round trip.
-#
-# The job's UPDATE renews the lease and writes the summary at once (a statement cannot update
-# one row twice), and runs only if the worker holds the lease and the job's history ends where
-# the worker last left it (``Held``): then every row of the batch is new (``last_step`` is the
-# greatest stored step) and the rollups can be merged and the counters added to. Everything
-# else reads ``lease``, so a worker that lost the lease, or a history that moved (a database
-# crash took back relaxed commits, a truncation), writes nothing and the caller takes the
-# general path. The rows are a plain INSERT: should one be stored after all, the statement
-# fails as a whole and changes nothing.
-_COUNTERS = (
-    "overflow_count",
-    "nonfinite_loss_count",
-    "growth_count",
-    "backoff_count",
-    "steps_recorded",
-    "overflows_recorded",
-    "backoffs_recorded",
-)
-_HELD_APPEND_PG = f"""
-    WITH lease AS (
-        UPDATE job SET
-            lease_expires_at = now() + %(lease_seconds)s::float8 * INTERVAL '1 second',
-            updated_at = now(),
-            last_step = %(j_last_step)s::int4,
-            epoch = %(j_epoch)s::int4,
-            last_loss = %(j_last_loss)s::float4,
-            loss_scale = %(j_loss_scale)s::float8,
-            min_loss_scale = LEAST(min_loss_scale, %(j_min_loss_scale)s::float8),
-            {", ".join(f"{c} = {c} + %(d_{c})s::int4" for c in _COUNTERS)},
-            steps_per_second = COALESCE(%(j_steps_per_second)s::float8, steps_per_second)
-        FROM (SELECT set_config('synchronous_commit', %(synchronous_commit)s, true)) AS cfg
-        WHERE id = %(job_id)s::int4 AND worker_id = %(worker_id)s AND status = 'running'
-          AND last_step IS NOT DISTINCT FROM %(held_last_step)s::int4
-          AND loss_scale IS NOT DISTINCT FROM %(held_loss_scale)s::float8
-        RETURNING cancel_requested, last_step, loss_scale
-    ), steps AS (
-        INSERT INTO step (job_id, step, epoch, loss, loss_scale, finite)
-        SELECT %(job_id)s, t.step, t.epoch, NULLIF(t.loss, 'NaN'::real), t.loss_scale, t.finite
-        FROM unnest(%(step)b, %(epoch)b, %(loss)b, %(loss_scale)b, %(finite)b)
-             AS t(step, epoch, loss, loss_scale, finite), lease
-    ), events AS (
-        INSERT INTO scale_event (job_id, step, old_scale, new_scale, reason)
-        SELECT %(job_id)s, e.step, e.old_scale, e.new_scale,
-               CASE WHEN e.growth THEN 'growth' ELSE 'overflow' END
-        FROM unnest(%(ev_step)b, %(ev_old)b, %(ev_new)b, %(ev_growth)b)
-             AS e(step, old_scale, new_scale, growth), lease
-        ON CONFLICT (job_id, step) DO UPDATE SET old_scale = excluded.old_scale,
-            new_scale = excluded.new_scale, reason = excluded.reason
-    ), rollups AS (
-        INSERT INTO step_rollup AS r (job_id, {", ".join(_MERGE_COLUMNS)})
-        SELECT %(job_id)s, {_MERGE_VALUES}
-        FROM unnest({", ".join(f"%(r_{c})b" for c in _MERGE_COLUMNS)})
-             AS b({", ".join(_MERGE_COLUMNS)}), lease
-        ON CONFLICT (job_id, level, block) DO UPDATE SET
-            first_step = LEAST(r.first_step, excluded.first_step),
-            last_step = GREATEST(r.last_step, excluded.last_step),
-            count = r.count + excluded.count,
-            loss_min = LEAST(r.loss_min, excluded.loss_min),
-            loss_max = GREATEST(r.loss_max, excluded.loss_max),
-            loss_last = CASE WHEN excluded.last_step > r.last_step
-                             THEN excluded.loss_last ELSE r.loss_last END,
-            scale_min = LEAST(r.scale_min, excluded.scale_min),
-            scale_max = GREATEST(r.scale_max, excluded.scale_max),
-            scale_last = CASE WHEN excluded.last_step > r.last_step
-                              THEN excluded.scale_last ELSE r.scale_last END,
-            overflow_count = r.overflow_count + excluded.overflow_count,
-            nonfinite_loss_count = r.nonfinite_loss_count + excluded.nonfinite_loss_count
-    )
-    SELECT cancel_requested, last_step, loss_scale FROM lease
-"""
-# One space for each run of whitespace: psycopg caches its parsing of a query only up to
-# ``psycopg._queries.MAX_CACHED_STATEMENT_LENGTH`` characters, and parsing this one again for
-# each flush cost as much as building its arrays.
-_HELD_APPEND_PG = re.sub(r"\s+", " ", _HELD_APPEND_PG).strip()
-
-
-@dataclass(frozen=True)
-class Held:
-    """Where a job's history ended when its writer last wrote it (or loaded it): its last
-    step and the scale of that step, as the job's summary holds them."""
-
-    last_step: int | None
-    loss_scale: float | None
-
-    @classmethod
-    def of(cls, job: Job) -> Held:
-        return cls(job.last_step, job.loss_scale)
-
-
-@dataclass(frozen=True)
-class HeldWrite:
-    """A batch written by ``HeldAppender``: whether a cancel was asked for, and where the
-    history ends now."""
-
-    cancel_requested: bool
-    held: Held
-
-
-class HeldAppender:
-    """The worker's connection for ``_HELD_APPEND_PG``: its own, in autocommit, opened on
-    first use. A connection found dead (the server restarted, an idle connection was cut)
-    is replaced and the statement sent once more: if the first one committed before its
-    answer was lost, the second finds the history moved and writes nothing."""
-
-    def __init__(self, engine: Engine, name: str) -> None:
-        cargs, cparams = engine.dialect.create_connect_args(engine.url)
-        cparams.pop("context", None)  # SQLAlchemy's adapters; this connection has its own
-        cparams.setdefault("application_name", name[:63])
-        self._cargs, self._cparams = cargs, cparams
-        self._conn: psycopg.Connection[Any] | None = None
-
-    def _connection(self) -> psycopg.Connection[Any]:
-        if self._conn is None or self._conn.closed:
-            conn = psycopg.connect(*self._cargs, autocommit=True, **self._cparams)
-            for cls, dumper in _DUMPERS:
-                conn.adapters.register_dumper(cls, dumper)
-            self._conn = conn
-        return self._conn
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def append(
-        self,
-        *,
-        job_id: int,
-        worker_id: str,
-        lease_seconds: float,
-        held: Held,
-        records: Sequence[StepRecord],
-        steps_per_second: float | None,
-        durable: bool,
-    ) -> HeldWrite | None:
-        """Renew the lease and write the batch in one statement. None if nothing was
-        written: the batch does not only append (its steps must increase, all past where
-        ``held`` says the history ends, and be fewer than ``COPY_ROWS``: larger batches go in
-        by COPY), the lease is not ours, or the history is not where ``held`` says. The
-        caller then takes the general path, which tells these apart. Raises
-        ``psycopg.OperationalError`` if the database cannot be reached."""
-        params = _held_params(job_id, worker_id, lease_seconds, held, records, steps_per_second)
-        if params is None:
-            return None
-        params["synchronous_commit"] = "on" if durable else "off"
-        while True:
-            reused = self._conn is not None and not self._conn.closed
-            try:
-                row = self._connection().execute(_HELD_APPEND_PG, params).fetchone()
-                break
-            except psycopg.errors.UniqueViolation:
-                return None  # a row stored behind the summary's back: nothing was written
-            except psycopg.OperationalError:
-                conn = self._conn
-                if conn is not None and not conn.closed and not conn.broken:
-                    raise  # an answer from a live server, not a dead connection
-                self.close()
-                if not reused:
-                    raise  # a connection just opened failed: the server is away
-        if row is None:
-            return None
-        return HeldWrite(bool(row[0]), Held(row[1], row[2]))
-
-
-def _held_params(
-    job_id: int,
-    worker_id: str,
-    lease_seconds: float,
-    held: Held,
-    records: Sequence[StepRecord],
-    steps_per_second: float | None,
-) -> dict[str, Any] | None:
-    """The statement's parameters: the batch's columns, events and block summaries as
-    binary arrays, the summary's new values and what each counter grows by. None if the
-    batch does not only append."""
-    if not records or len(records) >= COPY_ROWS:
-        return None
-    if held.last_step is not None and records[0].step <= held.last_step:
-        return None
-    values = _values(records)
-    if not np.all(np.diff(values[:, 0]) > 0):
-        return None
-    scales = values[:, 3]
-    # The scale events (``history.scale_events``): each step whose scale differs from the
-    # step before's; the first step's only when the step before is the held last step.
-    before = np.empty_like(scales)
-    before[1:] = scales[:-1]
-    first = records[0].step
-    if held.last_step is not None and held.last_step == first - 1 and held.loss_scale is not None:
-        before[0] = float32(held.loss_scale)
-        changed = np.flatnonzero(scales != before)
-    else:
-        changed = np.flatnonzero(scales[1:] != before[1:]) + 1
-    old, new = before[changed], scales[changed]
-    growth = ~(new < old)
-    growths = int(np.count_nonzero(growth))
-    backoffs = len(changed) - growths
-    overflows = int(len(records) - np.count_nonzero(values[:, 4]))
-    last = records[-1]
-    params: dict[str, Any] = {
-        "job_id": job_id,
-        "worker_id": worker_id,
-        "lease_seconds": float(lease_seconds),
-        "held_last_step": held.last_step,
-        "held_loss_scale": held.loss_scale,
-        "j_last_step": last.step,
-        "j_epoch": last.epoch,
-        "j_last_loss": None if math.isnan(last.loss) else last.loss,  # NanAsNullReal
-        "j_loss_scale": last.loss_scale,
-        "j_min_loss_scale": float(scales.min()),
-        "j_steps_per_second": steps_per_second,
-        "d_overflow_count": overflows,
-        "d_nonfinite_loss_count": int(np.count_nonzero(~np.isfinite(values[:, 2]))),
-        "d_growth_count": growths,
-        "d_backoff_count": backoffs,
-        "d_steps_recorded": len(records),
-        "d_overflows_recorded": overflows,
-        "d_backoffs_recorded": backoffs,
-        "step": _array("int4", values[:, 0]),
-        "epoch": _array("int4", values[:, 1]),
-        "loss": _array("float4", values[:, 2]),
-        "loss_scale": _array("float4", scales),
-        "finite": _array("bool", values[:, 4] != 0),
-        "ev_step": _array("int4", values[changed, 0]),
-        "ev_old": _array("float4", old),
-        "ev_new": _array("float4", new),
-        "ev_growth": _array("bool", growth),
-    }
-    return params | _block_params(values)

@@ -25,7 +25,7 @@ from sqlalchemy.exc import DBAPIError
 from service import history, jobs
 from service.db import Database
 from service.history import StepRecord
-from service.ingest import Held, HeldAppender
+from service.heldflush import Held, HeldAppender
 from service.metrics import HISTORY_WRITE_LATENCY
 from service.settings import Settings
 from service.storage import open_storage
@@ -395,7 +395,7 @@ class Supervisor:
 
     def _append_held(self, run: _Run, pending: list[StepRecord], *, durable: bool) -> Held | None:
         """The common flush, history only, in one statement on the supervisor's own
-        connection (``ingest.HeldAppender``). None when it cannot or did not write: the
+        connection (``heldflush.HeldAppender``). None when it cannot or did not write: the
         general path (``_write``) then runs, and tells a lost lease from a history that is
         not where we left it."""
         if (
