@@ -24,8 +24,8 @@ from sqlalchemy.exc import DBAPIError
 
 from service import history, jobs
 from service.db import Database
-from service.history import StepRecord
 from service.heldflush import Held, HeldAppender
+from service.history import StepRecord
 from service.metrics import HISTORY_WRITE_LATENCY
 from service.settings import Settings
 from service.storage import open_storage
