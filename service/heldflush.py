@@ -19,6 +19,7 @@ from service.ingest import (
     COPY_ROWS,
     DUMPERS,
     MERGE_COLUMNS,
+    MERGE_ON_CONFLICT,
     MERGE_VALUES,
     array_param,
     block_params,
@@ -87,20 +88,7 @@ _HELD_APPEND_PG = f"""
         SELECT %(job_id)s, {MERGE_VALUES}
         FROM unnest({", ".join(f"%(r_{c})b" for c in MERGE_COLUMNS)})
              AS b({", ".join(MERGE_COLUMNS)}), lease
-        ON CONFLICT (job_id, level, block) DO UPDATE SET
-            first_step = LEAST(r.first_step, excluded.first_step),
-            last_step = GREATEST(r.last_step, excluded.last_step),
-            count = r.count + excluded.count,
-            loss_min = LEAST(r.loss_min, excluded.loss_min),
-            loss_max = GREATEST(r.loss_max, excluded.loss_max),
-            loss_last = CASE WHEN excluded.last_step > r.last_step
-                             THEN excluded.loss_last ELSE r.loss_last END,
-            scale_min = LEAST(r.scale_min, excluded.scale_min),
-            scale_max = GREATEST(r.scale_max, excluded.scale_max),
-            scale_last = CASE WHEN excluded.last_step > r.last_step
-                              THEN excluded.scale_last ELSE r.scale_last END,
-            overflow_count = r.overflow_count + excluded.overflow_count,
-            nonfinite_loss_count = r.nonfinite_loss_count + excluded.nonfinite_loss_count
+        {MERGE_ON_CONFLICT}
     )
     SELECT cancel_requested, last_step, loss_scale FROM lease
 """

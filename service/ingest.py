@@ -77,6 +77,22 @@ _SUMMARY_COLUMNS = (
 # NaN equal to NaN), so every array is fixed-width. Every part after ``steps`` runs only when
 # ``steps`` stored the whole batch. In DO UPDATE, ``r`` is the stored row before this
 # statement; LEAST and GREATEST skip NULLs (a block with no finite loss yet).
+# A stored block and a batch's summary of the same block, merged: exact only when none of the
+# batch's rows is stored yet (both append paths make sure of that before they use it).
+MERGE_ON_CONFLICT = """ON CONFLICT (job_id, level, block) DO UPDATE SET
+    first_step = LEAST(r.first_step, excluded.first_step),
+    last_step = GREATEST(r.last_step, excluded.last_step),
+    count = r.count + excluded.count,
+    loss_min = LEAST(r.loss_min, excluded.loss_min),
+    loss_max = GREATEST(r.loss_max, excluded.loss_max),
+    loss_last = CASE WHEN excluded.last_step > r.last_step
+                     THEN excluded.loss_last ELSE r.loss_last END,
+    scale_min = LEAST(r.scale_min, excluded.scale_min),
+    scale_max = GREATEST(r.scale_max, excluded.scale_max),
+    scale_last = CASE WHEN excluded.last_step > r.last_step
+                      THEN excluded.scale_last ELSE r.scale_last END,
+    overflow_count = r.overflow_count + excluded.overflow_count,
+    nonfinite_loss_count = r.nonfinite_loss_count + excluded.nonfinite_loss_count"""
 MERGE_VALUES = ", ".join(
     f"NULLIF(b.{c}, 'NaN'::real)" if c in _FLOAT_COLUMNS else f"b.{c}" for c in MERGE_COLUMNS
 )
@@ -108,20 +124,7 @@ _SUMMARIES_PG = f"""
         FROM unnest({", ".join(f"%(r_{c})b" for c in MERGE_COLUMNS)})
              AS b({", ".join(MERGE_COLUMNS)}), whole
         WHERE whole.ok
-        ON CONFLICT (job_id, level, block) DO UPDATE SET
-            first_step = LEAST(r.first_step, excluded.first_step),
-            last_step = GREATEST(r.last_step, excluded.last_step),
-            count = r.count + excluded.count,
-            loss_min = LEAST(r.loss_min, excluded.loss_min),
-            loss_max = GREATEST(r.loss_max, excluded.loss_max),
-            loss_last = CASE WHEN excluded.last_step > r.last_step
-                             THEN excluded.loss_last ELSE r.loss_last END,
-            scale_min = LEAST(r.scale_min, excluded.scale_min),
-            scale_max = GREATEST(r.scale_max, excluded.scale_max),
-            scale_last = CASE WHEN excluded.last_step > r.last_step
-                              THEN excluded.scale_last ELSE r.scale_last END,
-            overflow_count = r.overflow_count + excluded.overflow_count,
-            nonfinite_loss_count = r.nonfinite_loss_count + excluded.nonfinite_loss_count
+        {MERGE_ON_CONFLICT}
     )
     UPDATE job SET {", ".join(f"{c} = %(j_{c})s" for c in _SUMMARY_COLUMNS)}
     FROM whole, (SELECT set_config('synchronous_commit', %(synchronous_commit)s, true)) AS cfg
