@@ -22,6 +22,7 @@ from service import auth, migrate
 from service.app import create_app
 from service.db import Database, normalize_url
 from service.settings import Settings
+from tests.turns import turn
 
 pytest_plugins = ["tests.live", "tests.s3"]
 
@@ -31,23 +32,45 @@ TABLES = ("step", "step_rollup", "scale_event", "job", "sweep", '"user"')
 
 
 @pytest.fixture(scope="session")
-def pg_database() -> Iterator[str]:
-    """A database of our own on the PostgreSQL server, migrated once, dropped at the end."""
+def turns_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path | None:
+    """Where this run's workers keep their locks (the parent of their temporary folders),
+    or None in a run of one process."""
+    if not hasattr(request.config, "workerinput"):  # set by xdist in its workers only
+        return None
+    return tmp_path_factory.getbasetemp().parent
+
+
+@pytest.fixture(autouse=True)
+def postgresql_turn(request: pytest.FixtureRequest, turns_dir: Path | None) -> Iterator[None]:
+    """Every test's turn on the PostgreSQL server (``tests/turns.py``), SQLite ones too: a
+    restart would cut a live server's or a worker's connections whatever the test is on."""
+    exclusive = request.node.get_closest_marker("restarts_postgresql") is not None
+    with turn(turns_dir, exclusive=exclusive):
+        yield
+
+
+@pytest.fixture(scope="session")
+def pg_database(turns_dir: Path | None) -> Iterator[str]:
+    """A database of our own on the PostgreSQL server, migrated once, dropped at the end
+    (each xdist worker has its own)."""
     assert PG_URL, "HALFWAY_TEST_DATABASE_URL is not set"
     admin_url = make_url(normalize_url(PG_URL))
     name = f"halfway_test_{uuid.uuid4().hex[:8]}"
     # No pool: a test restarts the server, and a pooled connection would be dead at teardown.
     admin = create_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = admin_url.set(database=name).render_as_string(hide_password=False)
-    db = Database.connect(url)
-    migrate.upgrade(db.engine)
-    db.dispose()
+    with turn(turns_dir, exclusive=False):  # not while another worker restarts the server
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        db = Database.connect(url)
+        migrate.upgrade(db.engine)
+        db.dispose()
     try:
         yield url
     finally:
-        with admin.connect() as conn:
+        with turn(turns_dir, exclusive=False), admin.connect() as conn:
             conn.execute(
                 text(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "

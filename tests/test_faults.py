@@ -42,6 +42,7 @@ def restart_postgresql() -> None:
 
 
 @pytest.mark.skipif(not PG_URL, reason="needs HALFWAY_TEST_DATABASE_URL (CI sets it)")
+@pytest.mark.restarts_postgresql
 def test_postgresql_restart_while_a_job_trains_loses_and_duplicates_nothing(
     pg_database: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
