@@ -6,8 +6,9 @@ writes the history. A snapshot is reused for ``ttl`` seconds: polls within that 
 a dictionary lookup; a poll already at the snapshot's last step gets its empty page without
 touching the database; and new rows are served only up to the snapshot's last step, so the
 pollers' cursors meet on the same steps and one query answers all of them (``Page``).
-Staleness is bounded by ``ttl`` (0.5 s by default); changes made through this API process
-(cancel, priority) drop the snapshot at once, and a load that was already reading the job
+The job list's pages are kept the same way (``Listing``). Staleness is bounded by ``ttl``
+(0.5 s by default); changes made through this API process (a submission, a sweep, a cancel,
+a priority) drop the snapshot and the listings at once, and a load that was already reading the job
 when they did is not stored (``forget`` moves the generation on): the next poll reads again.
 """
 
@@ -43,6 +44,21 @@ class Page:
     taken: float  # the snapshot it belongs to
 
 
+@dataclass(frozen=True)
+class Listing:
+    """A page of the job list (``GET /v1/jobs``), the same for every caller: a dashboard
+    reads it on every refresh, and a hundred jobs' summaries cost far more to load and
+    encode than a job's snapshot."""
+
+    body: bytes
+    etag: str
+    taken: float
+
+
+# What a listing is kept by: status, owner, the cursor's job id and the limit.
+ListKey = tuple[str | None, str | None, int | None, int]
+
+
 class PollCache:
     """Snapshots and pages, each refreshed by one thread at a time: when a snapshot expires
     under two hundred pollers, one of them reloads it and the others wait for that (instead of
@@ -53,6 +69,7 @@ class PollCache:
         self.size = size
         self._items: dict[int, Snapshot] = {}
         self._pages: dict[tuple[str, int, int, int], Page] = {}
+        self._lists: dict[ListKey, Listing] = {}
         self._lock = threading.Lock()
         self._flights: dict[object, threading.Lock] = {}
         # Moved on by every forget. A load that began under an older generation may have read
@@ -134,8 +151,39 @@ class PollCache:
                 self._pages[(kind, job_id, after_step, limit)] = page
         return page
 
-    def forget(self, job_id: int) -> None:
-        """Drop the job's snapshot after a change committed through this process."""
+    def listing(self, key: ListKey, load: Callable[[], bytes]) -> Listing:
+        """The fresh listing for ``key``, loading it (one loader at a time) if needed."""
+        found = self.fresh_listing(key)
+        if found is not None:
+            return found
+        with self.single_flight(("list", key)):
+            found = self.fresh_listing(key)
+            if found is not None:
+                return found
+            generation = self._generation
+            body = load()
+            listing = Listing(body, etag_of(body), time.monotonic())
+            if self.ttl > 0:
+                with self._lock:
+                    if generation == self._generation:  # see ``store``
+                        if len(self._lists) >= self.size:
+                            self._lists.clear()
+                        self._lists[key] = listing
+            return listing
+
+    def fresh_listing(self, key: ListKey) -> Listing | None:
+        if self.ttl <= 0:
+            return None
+        found = self._lists.get(key)
+        if found is None or time.monotonic() - found.taken > self.ttl:
+            return None
+        return found
+
+    def forget(self, job_id: int | None = None) -> None:
+        """Drop the job's snapshot and every listing after a change committed through this
+        process (None: a new job, which is in no snapshot yet but belongs in the lists)."""
         with self._lock:
             self._generation += 1
-            self._items.pop(job_id, None)
+            if job_id is not None:
+                self._items.pop(job_id, None)
+            self._lists.clear()

@@ -182,3 +182,45 @@ def test_every_poll_after_a_cancel_sees_it_under_many_concurrent_pollers(
     stale = [(r.job_id, r.stale[:2], len(r.stale)) for r in rounds if r.stale]
     assert all(r.polls_after >= POLLERS for r in rounds), "too few polls to tell"
     assert stale == [], "polls sent after the cancel returned saw the old state"
+
+
+@pytest.mark.parametrize("change", ["submit", "sweep", "cancel", "priority"])
+def test_the_job_list_is_cached_and_a_change_through_the_api_is_seen_at_once(
+    settings: Settings, db: Database, team: Team, change: str
+) -> None:
+    """Every dashboard reads the job list on each refresh: within the cache's age it is
+    answered from memory (a change behind the API's back, as another worker or API
+    process would make, shows once the listing has aged), while a change made through this
+    process is in the very next list."""
+    settings.poll_cache_seconds = 60  # the listing outlives the test unless dropped
+    with TestClient(create_app(settings, db, auth=True)) as client:
+        api = Api(client, team.alice)
+        first = _submit(api)
+        listed = api.get("/v1/jobs?limit=100")
+        assert [j["id"] for j in listed.json()["items"]] == [first]
+        with db.write() as session:  # behind the API's back
+            jobs.get_job(session, first).name = "renamed elsewhere"
+        again = api.get("/v1/jobs?limit=100", headers={"If-None-Match": listed.headers["etag"]})
+        assert again.status_code == 304  # the listing in memory
+        if change in ("submit", "sweep"):
+            if change == "submit":
+                expected = [_submit(api), first]
+            else:
+                r = api.post("/v1/sweeps", json={"base": {}, "policies": ["float32", "float32"]})
+                assert r.status_code == 201, r.text
+                ids = [v["job_id"] for v in r.json()["variants"]]
+                expected = sorted(ids, reverse=True) + [first]
+        elif change == "cancel":
+            assert api.post(f"/v1/jobs/{first}/cancel").status_code == 202
+            expected = [first]
+        else:
+            assert api.patch(f"/v1/jobs/{first}", json={"priority": 7}).status_code == 200
+            expected = [first]
+        now = api.get("/v1/jobs?limit=100").json()["items"]
+        assert [j["id"] for j in now] == expected
+        mine = next(j for j in now if j["id"] == first)
+        assert mine["name"] == "renamed elsewhere"  # the change reloaded the list
+        if change == "cancel":
+            assert mine["cancel_requested"] or mine["status"] == "cancelled"
+        if change == "priority":
+            assert mine["priority"] == 7

@@ -20,14 +20,13 @@ from service.deps import (
     JobId,
     PollCacheDep,
     PrincipalDep,
-    SessionDep,
     SettingsDep,
     WriteSessionDep,
 )
 from service.errors import Conflict
-from service.etag import etag_response, respond
+from service.etag import etag_response, respond, serialize
 from service.models import Job, utcnow
-from service.pollcache import PollCache, Snapshot
+from service.pollcache import Listing, ListKey, PollCache, Snapshot
 from service.responses import (
     JobOut,
     JobPage,
@@ -113,6 +112,7 @@ def submit_job(
     session: WriteSessionDep,
     principal: PrincipalDep,
     settings: SettingsDep,
+    cache: PollCacheDep,
     dry_run: Annotated[bool, Query(description="Validate and normalize; store nothing.")] = False,
     idempotency_key: Annotated[
         str | None, Header(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")
@@ -138,6 +138,7 @@ def submit_job(
             body_hash=body_hash,
         )
         session.commit()
+        cache.forget()  # the lists now hold it
     except IntegrityError:
         # Another request with the same key won the race; answer as it did.
         session.rollback()
@@ -172,26 +173,44 @@ def _replay(earlier: Job, body_hash: str) -> Response:
     response_model=JobPage,
     responses={304: {"description": "Not modified (If-None-Match)"}, **error_responses(401, 422)},
 )
-def list_jobs(
+async def list_jobs(
     request: Request,
-    session: SessionDep,
+    db: DbDep,
+    cache: PollCacheDep,
     _: PrincipalDep,
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"] | None = None,
     owner: Annotated[str | None, Query(max_length=64)] = None,
     cursor: Annotated[str | None, Query(pattern=r"^[0-9]{1,12}$")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
 ) -> Response:
+    # Async, from the poll cache as a job is: every dashboard reads this list on every
+    # refresh, and loading and encoding a hundred jobs costs a hundred job snapshots.
     if owner is not None and "\x00" in owner:
         # No user name holds a NUL, and PostgreSQL refuses one in a query.
         return etag_response(request, JobPage(items=[], next_cursor=None))
     before_id = int(cursor) if cursor else None
     if before_id is not None and before_id > MAX_ID:
         before_id = None  # every id is below it (ids are 32-bit)
-    rows, next_id = jobs.list_jobs(
-        session, status=status, owner=owner, before_id=before_id, limit=limit
-    )
-    page = JobPage(items=[job_out(j) for j in rows], next_cursor=str(next_id) if next_id else None)
-    return etag_response(request, page)
+    key: ListKey = (status, owner, before_id, limit)
+    listing = cache.fresh_listing(key)
+    if listing is None:
+        listing = await run_in_threadpool(job_listing, db, cache, key)
+    return respond(request, listing.body, listing.etag)
+
+
+def job_listing(db: Database, cache: PollCache, key: ListKey) -> Listing:
+    """A page of the job list: the cached one, or read from the database (single flight)."""
+    status, owner, before_id, limit = key
+
+    def load() -> bytes:
+        with db.read() as session:
+            rows, next_id = jobs.list_jobs(
+                session, status=status, owner=owner, before_id=before_id, limit=limit
+            )
+            items = [job_out(j) for j in rows]
+        return serialize(JobPage(items=items, next_cursor=str(next_id) if next_id else None))
+
+    return cache.listing(key, load)
 
 
 @router.get(

@@ -6,7 +6,14 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from service import grants, sweeps
-from service.deps import PrincipalDep, SessionDep, SettingsDep, SweepId, WriteSessionDep
+from service.deps import (
+    PollCacheDep,
+    PrincipalDep,
+    SessionDep,
+    SettingsDep,
+    SweepId,
+    WriteSessionDep,
+)
 from service.models import utcnow
 from service.responses import SweepOut, error_responses
 from service.schemas import SweepSpec
@@ -21,7 +28,11 @@ router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
     responses=error_responses(401, 403, 413, 422),
 )
 def create_sweep(
-    spec: SweepSpec, session: WriteSessionDep, principal: PrincipalDep, settings: SettingsDep
+    spec: SweepSpec,
+    session: WriteSessionDep,
+    principal: PrincipalDep,
+    settings: SettingsDep,
+    cache: PollCacheDep,
 ) -> SweepOut:
     if spec.base.get("code") is not None:
         grants.require_code_right(session, principal, settings.code_jobs)
@@ -29,6 +40,7 @@ def create_sweep(
         session, owner=principal.name, sweep=spec, settings=settings, now=utcnow()
     )
     session.commit()
+    cache.forget()  # the lists now hold its jobs
     return sweeps.compare(session, row.id)
 
 
