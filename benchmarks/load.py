@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 
 HALFWAY = str(Path(sys.executable).parent / "halfway")
+LIST_LIMIT = 100  # the dashboard's job list (app.js: jobListLimit)
 JOB = {
     "name": "load-benchmark",
     "data": {"samples": 20000, "features": 784, "classes": 10},
@@ -157,11 +158,17 @@ class Connection:
 
 
 async def poller(
-    base: str, token: str, job_id: int, stats: Stats, stop: asyncio.Event, period: float
+    base: str,
+    token: str,
+    job_id: int,
+    stats: Stats,
+    stop: asyncio.Event,
+    period: float,
+    list_limit: int,
 ) -> None:
     host, port = base.removeprefix("http://").split(":")
     conn = Connection(host, int(port), token)
-    etag = ""
+    etag = list_etag = ""
     after = -1
     await asyncio.sleep(period * (hash(asyncio.current_task()) % 1000) / 1000)  # spread starts
     while not stop.is_set():
@@ -174,6 +181,14 @@ async def poller(
                 etag = headers.get("etag", "")
             elif status != 304:
                 stats.errors += 1
+            if list_limit:
+                t = time.perf_counter()
+                status, headers, _ = await conn.get(f"/v1/jobs?limit={list_limit}", list_etag)
+                stats.add("list", time.perf_counter() - t)
+                if status == 200:
+                    list_etag = headers.get("etag", "")
+                elif status != 304:
+                    stats.errors += 1
             t = time.perf_counter()
             status, _, body = await conn.get(
                 f"/v1/jobs/{job_id}/history?after_step={after}&limit=1000"
@@ -201,24 +216,34 @@ local after = -1
 local turn = 0
 local errors = 0
 local etag = ""
+local list_etag = ""
+local list_limit = %(list_limit)d  -- 0: no job list polls
+local kinds = list_limit > 0 and 3 or 2
 local threads = {}
 
 function setup(thread) table.insert(threads, thread) end
 
 function request()
   turn = turn + 1
-  if turn %% 2 == 1 then
+  local kind = turn %% kinds
+  -- The list is asked for in gzip, as a browser asks; the job and the history pages plain,
+  -- so that a response tells which it answers and the cursor can be read.
+  if kind == 1 then
     local headers = {["Authorization"] = token}
     if etag ~= "" then headers["If-None-Match"] = etag end
     return wrk.format("GET", job_path, headers)
+  elseif kind == 2 then
+    local headers = {["Authorization"] = token, ["Accept-Encoding"] = "gzip"}
+    if list_etag ~= "" then headers["If-None-Match"] = list_etag end
+    return wrk.format("GET", "/v1/jobs?limit=" .. list_limit, headers)
   end
   return wrk.format("GET", job_path .. "/history?limit=1000&after_step=" .. after,
                     {["Authorization"] = token})
 end
 
 function delay()
-  -- two requests per poll, half a period apart
-  return period_ms / 2
+  -- two (or three) requests per poll, spread over the period
+  return period_ms / kinds
 end
 
 function response(status, headers, body)
@@ -229,6 +254,8 @@ function response(status, headers, body)
   if string.sub(tag, 2, 2) == "h" then
     local cursor = string.match(body, '"next_after_step":(%%-?%%d+)')
     if cursor ~= nil then after = tonumber(cursor) end
+  elseif string.sub(body, 1, 2) == "\\31\\139" then  -- gzip: the list
+    list_etag = tag
   else
     etag = tag
   end
@@ -248,7 +275,13 @@ end
 def run_wrk(base: str, token: str, job_id: int, args: argparse.Namespace) -> dict[str, float]:
     script = Path(tempfile.mkdtemp()) / "poll.lua"
     script.write_text(
-        WRK_SCRIPT % {"job": job_id, "token": token, "period_ms": int(args.period * 1000)}
+        WRK_SCRIPT
+        % {
+            "job": job_id,
+            "token": token,
+            "period_ms": int(args.period * 1000),
+            "list_limit": LIST_LIMIT if args.jobs else 0,
+        }
     )
     if args.generator_nice == "idle":  # only CPU time nothing else wants (Linux SCHED_IDLE)
         lowered = ["chrt", "--idle", "0"]
@@ -378,7 +411,11 @@ async def loaded_window(
     else:
         stop = asyncio.Event()
         tasks = [
-            asyncio.create_task(poller(base, token, job_id, stats, stop, args.period))
+            asyncio.create_task(
+                poller(
+                    base, token, job_id, stats, stop, args.period, LIST_LIMIT if args.jobs else 0
+                )
+            )
             for _ in range(args.pollers)
         ]
         loaded = await measure_training(progress, job_id, args.seconds)
@@ -409,6 +446,9 @@ async def run(
         job_id = (await client.post("/v1/jobs", json=JOB)).json()["id"]
         while (await asyncio.to_thread(progress.read, job_id))[0] < 500:
             await asyncio.sleep(0.5)
+        for _ in range(args.jobs):  # the list's other rows: jobs cancelled while queued
+            other = (await client.post("/v1/jobs", json=JOB)).json()["id"]
+            assert (await client.post(f"/v1/jobs/{other}/cancel")).status_code == 202
         await asyncio.sleep(args.warmup)
         runs: list[Run] = []
         before, before_cpu, before_db = await quiet_window(
@@ -447,7 +487,9 @@ async def run(
     )
     print(
         f"pollers: {args.pollers} ({'wrk' if use_wrk else 'python'}), one job read "
-        f"(If-None-Match) + one after_step read every {args.period:g} s each; "
+        f"(If-None-Match) + one after_step read"
+        f"{f' + one job list read ({args.jobs + 1} jobs)' if args.jobs else ''}"
+        f" every {args.period:g} s each; "
         f"{args.runs} loaded windows of {args.seconds:g} s, each between quiet windows of "
         f"{args.baseline:g} s; {os.cpu_count()} cores"
     )
@@ -488,6 +530,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5)
     parser.add_argument("--period", type=float, default=1.0)
     parser.add_argument("--runs", type=int, default=2, help="Loaded windows (spread shown).")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="Jobs in the list beside the training one. With N > 0 each poller also reads "
+        f"the job list (limit={LIST_LIMIT}, If-None-Match) every period, as the dashboard does "
+        "on each refresh; 0: only the job and its history, the issue's two polls.",
+    )
     parser.add_argument("--python", action="store_true", help="Python pollers even with wrk.")
     parser.add_argument(
         "--generator-nice",

@@ -1,22 +1,22 @@
 """Dashboards' polls answered before FastAPI's routing and dependency injection.
 
-A poll of a job, or of its history after a cursor, that the poll cache can answer costs no
-query, yet going through the router, the dependency solver and a Request and Response object
-costs several times the answer itself; with a few hundred dashboards polling every second
-that overhead, on the server's cores, is what slows the training beside it. This middleware
-recognizes exactly those polls (a canonical path and query, a bearer token this process has
-verified under the current auth generation, a fresh snapshot) and answers them from the
-cache with the same bytes and headers the routes would send. Every other request, and every
-poll it is not sure of, goes on to the app unchanged: it never answers an error itself.
-When the snapshot has aged, or a page is not cached yet, it reads them as the routes would,
-once for every poll waiting on them, so a poll never falls back to the routes' cost merely
-because it arrived as the cache was refreshed.
+A poll of a job, of its history after a cursor, or of the job list's first page, that the poll
+cache can answer costs no query, yet going through the router, the dependency solver and a
+Request and Response object costs several times the answer itself; with a few hundred
+dashboards polling every second that overhead, on the server's cores, is what slows the
+training beside it. This middleware recognizes exactly those polls (a canonical path and query,
+a bearer token this process has verified under the current auth generation, a fresh snapshot)
+and answers them from the cache with the same bytes and headers the routes would send. Every
+other request, and every poll it is not sure of, goes on to the app unchanged: it never answers
+an error itself. When the snapshot has aged, or a page is not cached yet, it reads them as the
+routes would, once for every poll waiting on them, so a poll never falls back to the routes'
+cost merely because it arrived as the cache was refreshed.
 
-It runs before FastAPI's own middleware and the app's (``HalfwayAPI``), since each layer
-costs a noticeable part of such an answer, so it does itself what those layers would do to
-the routes' answer: the request latency
-metric, labelled by route, and gzip for a large body when the client accepts it (each
-compressed body is kept with its snapshot, so two hundred browsers cost one compression).
+It runs before FastAPI's own middleware and the app's (``HalfwayAPI``), since each layer costs
+a noticeable part of such an answer, so it does itself what those layers would do to the
+routes' answer: the request latency metric, labelled by route, and gzip for a large body when
+the client accepts it (each compressed body is kept with its snapshot, so two hundred browsers
+cost one compression).
 """
 
 from __future__ import annotations
@@ -37,15 +37,18 @@ from service.deps import MAX_ID
 from service.etag import matches
 from service.metrics import REQUEST_LATENCY
 from service.pages import PageKind, cached_page, polled_page
-from service.pollcache import PollCache
+from service.pollcache import ListKey, PollCache
 from service.routes.export import MAX_ROWS_PER_PAGE, MAX_STEP
 from service.routes.history import MAX_ROWS
-from service.routes.jobs import job_snapshot
+from service.routes.jobs import job_listing, job_snapshot
 
 T = TypeVar("T")
 
+LIST_PATH = "/v1/jobs"
 JOB_PATH = "/v1/jobs/{job_id}"
 HISTORY_PATH = "/v1/jobs/{job_id}/history"
+# The job list's polls it takes: the first page, with the default limit or one of 1..200.
+_LIST_QUERY = re.compile(rb"(?:limit=([1-9][0-9]?|1[0-9][0-9]|200))?")
 _PATH = re.compile(r"/v1/jobs/([1-9][0-9]{0,9})(/history)?")
 # The compression app.py applies to the routes' answers (GZipMiddleware's settings).
 GZIP_MINIMUM_SIZE = 1024
@@ -83,6 +86,8 @@ class LeanPolls:
         wait for it; should that read fail, the routes take the request and answer it."""
         found = _PATH.fullmatch(scope["path"])
         cache: PollCache = self.api.state.poll_cache
+        if scope["path"] == LIST_PATH and cache.ttl > 0 and not _has_body(scope):
+            return await self._listing(scope, cache)
         if found is None or cache.ttl <= 0 or _has_body(scope):
             return None
         job_id = int(found.group(1))
@@ -106,6 +111,22 @@ class LeanPolls:
         except Exception:  # a missing job, a database down: the routes answer and report it
             return None
         return HISTORY_PATH, *page
+
+    async def _listing(self, scope: Scope, cache: PollCache) -> tuple[str, bytes, str] | None:
+        """The job list's first page, as the list route would answer it."""
+        query = _LIST_QUERY.fullmatch(scope["query_string"])
+        if query is None or not await self._authorized(scope):
+            return None
+        key: ListKey = (None, None, None, int(query.group(1) or 50))
+        try:
+            listing = cache.fresh_listing(key)
+            if listing is None:
+                listing = await self._shared(
+                    ("list", key), job_listing, self.api.state.db, cache, key
+                )
+        except Exception:  # a database down: the route answers and reports it
+            return None
+        return LIST_PATH, listing.body, listing.etag
 
     async def _shared(self, key: Hashable, load: Callable[..., T], *args: Any) -> T:
         """``load(*args)`` in a thread, once for every poll that asks for ``key`` meanwhile."""

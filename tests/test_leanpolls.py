@@ -97,6 +97,10 @@ def _polls(p: Pair) -> list[str]:
         f"{j}/history?format=columns",
         f"{j}/history?format=columns&after_step=-1&limit=1000000",
         f"{j}/history?format=rows&after_step={last}",
+        "/v1/jobs",
+        "/v1/jobs?limit=100",
+        "/v1/jobs?limit=1",
+        "/v1/jobs?limit=200",
     ]
 
 
@@ -121,6 +125,15 @@ def _others(p: Pair) -> list[str]:
         "/v1/jobs/99999",
         "/v1/jobs/99999/history",
         f"/v1/jobs/0{p.job_id}",
+        "/v1/jobs?limit=0",
+        "/v1/jobs?limit=201",
+        "/v1/jobs?limit=050",
+        "/v1/jobs?limit=5&limit=6",
+        "/v1/jobs?status=running",
+        "/v1/jobs?owner=alice",
+        "/v1/jobs?cursor=3",
+        "/v1/jobs?limit=10&cursor=3",
+        "/v1/jobs/",
     ]
 
 

@@ -209,7 +209,7 @@ def test_the_job_list_is_cached_and_a_change_through_the_api_is_seen_at_once(
                 r = api.post("/v1/sweeps", json={"base": {}, "policies": ["float32", "float32"]})
                 assert r.status_code == 201, r.text
                 ids = [v["job_id"] for v in r.json()["variants"]]
-                expected = sorted(ids, reverse=True) + [first]
+                expected = [*sorted(ids, reverse=True), first]
         elif change == "cancel":
             assert api.post(f"/v1/jobs/{first}/cancel").status_code == 202
             expected = [first]
