@@ -154,7 +154,10 @@ class LeanPolls:
             return False
         auth_cache: AuthCache = self.api.state.auth_cache
         if auth_cache.known(token) is None:
-            await auth_cache.current()  # the one shared read, if the generation is due
+            try:
+                await auth_cache.current()  # the one shared read, if the generation is due
+            except Exception:  # a database down: the routes answer and report it (a 503)
+                return False
         return auth_cache.known(token) is not None
 
     async def _send(self, scope: Scope, send: Send, body: bytes, etag: str) -> int:
