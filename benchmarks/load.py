@@ -100,6 +100,7 @@ class Progress:
         from service.db import Database
 
         self.db = Database.connect(url)
+        self.postgresql = url.startswith("postgresql")
 
     def read(self, job_id: int) -> tuple[int, float, str]:
         """(last step, its flush time in seconds, status)."""
@@ -157,6 +158,18 @@ class Connection:
             self.writer = None
 
 
+async def conditional(conn: Connection, stats: Stats, kind: str, path: str, etag: str) -> str:
+    """GET ``path`` with If-None-Match ``etag``; the ETag to send next time."""
+    t = time.perf_counter()
+    status, headers, _ = await conn.get(path, etag)
+    stats.add(kind, time.perf_counter() - t)
+    if status == 200:
+        return headers.get("etag", "")
+    if status != 304:
+        stats.errors += 1
+    return etag
+
+
 async def poller(
     base: str,
     token: str,
@@ -174,21 +187,10 @@ async def poller(
     while not stop.is_set():
         began = time.perf_counter()
         try:
-            t = time.perf_counter()
-            status, headers, _ = await conn.get(f"/v1/jobs/{job_id}", etag)
-            stats.add("job", time.perf_counter() - t)
-            if status == 200:
-                etag = headers.get("etag", "")
-            elif status != 304:
-                stats.errors += 1
+            etag = await conditional(conn, stats, "job", f"/v1/jobs/{job_id}", etag)
             if list_limit:
-                t = time.perf_counter()
-                status, headers, _ = await conn.get(f"/v1/jobs?limit={list_limit}", list_etag)
-                stats.add("list", time.perf_counter() - t)
-                if status == 200:
-                    list_etag = headers.get("etag", "")
-                elif status != 304:
-                    stats.errors += 1
+                list_path = f"/v1/jobs?limit={list_limit}"
+                list_etag = await conditional(conn, stats, "list", list_path, list_etag)
             t = time.perf_counter()
             status, _, body = await conn.get(
                 f"/v1/jobs/{job_id}/history?after_step={after}&limit=1000"
@@ -308,25 +310,32 @@ def run_wrk(base: str, token: str, job_id: int, args: argparse.Namespace) -> dic
     return {k: float(v) for k, v in (item.split("=") for item in line.split()[1:])}
 
 
+def _stat(path: Path) -> tuple[str, float]:
+    """A process's command name and user + system CPU seconds, from its /proc stat file."""
+    head, fields = path.read_text().rsplit(")", 1)
+    values = fields.split()
+    return head.partition("(")[2], (int(values[11]) + int(values[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (Linux /proc), for the server's share."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _stat(Path(f"/proc/{pid}/stat"))[1]
 
 
-def database_seconds() -> float:
+def database_seconds(progress: Progress) -> float:
     """User + system CPU seconds of this machine's PostgreSQL processes: the queries the
-    polls cause run there, not in the server process (with SQLite they run in it)."""
+    polls cause run there, not in the server process. 0 on SQLite, whose queries run in it."""
+    if not progress.postgresql:
+        return 0.0
     total = 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for path in Path("/proc").glob("[0-9]*/stat"):
         try:
-            head, fields = stat.read_text().rsplit(")", 1)
+            name, seconds = _stat(path)
         except OSError:  # the process ended
             continue
-        if head.endswith("(postgres"):
-            values = fields.split()
-            total += int(values[11]) + int(values[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        if name == "postgres":
+            total += seconds
+    return total
 
 
 def pct(values: list[float], q: float) -> float:
@@ -366,10 +375,14 @@ async def quiet_window(
 ) -> tuple[float, float, float]:
     """(steps/s, the server's share of a core, the database's) over ``seconds`` without
     pollers."""
-    cpu, db, start = cpu_seconds(server_pid), database_seconds(), time.perf_counter()
+    cpu, db, start = cpu_seconds(server_pid), database_seconds(progress), time.perf_counter()
     steps = await measure_training(progress, job_id, seconds)
     elapsed = time.perf_counter() - start
-    return steps, (cpu_seconds(server_pid) - cpu) / elapsed, (database_seconds() - db) / elapsed
+    return (
+        steps,
+        (cpu_seconds(server_pid) - cpu) / elapsed,
+        (database_seconds(progress) - db) / elapsed,
+    )
 
 
 def generator_seconds(children: resource.struct_rusage, own: float) -> float:
@@ -397,7 +410,7 @@ async def loaded_window(
     """(steps/s, the server's share of a core, the database's, the generator's, the poll
     stats, latencies)."""
     stats = Stats()
-    server_cpu, db_cpu = cpu_seconds(server_pid), database_seconds()
+    server_cpu, db_cpu = cpu_seconds(server_pid), database_seconds(progress)
     children, own = resource.getrusage(resource.RUSAGE_CHILDREN), time.process_time()
     started = time.perf_counter()
     latency: dict[str, tuple[float, float]] = {}
@@ -425,7 +438,7 @@ async def loaded_window(
             latency[kind] = (pct(values, 0.5), pct(values, 0.99))
     elapsed = time.perf_counter() - started
     server_share = (cpu_seconds(server_pid) - server_cpu) / elapsed
-    db_share = (database_seconds() - db_cpu) / elapsed
+    db_share = (database_seconds(progress) - db_cpu) / elapsed
     generator_share = generator_seconds(children, own) / elapsed
     return loaded, server_share, db_share, generator_share, stats, latency
 

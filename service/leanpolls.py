@@ -40,7 +40,7 @@ from service.pages import PageKind, cached_page, polled_page
 from service.pollcache import ListKey, PollCache
 from service.routes.export import MAX_ROWS_PER_PAGE, MAX_STEP
 from service.routes.history import MAX_ROWS
-from service.routes.jobs import job_listing, job_snapshot
+from service.routes.jobs import LIST_LIMIT, job_listing, job_snapshot
 
 T = TypeVar("T")
 
@@ -117,7 +117,7 @@ class LeanPolls:
         query = _LIST_QUERY.fullmatch(scope["query_string"])
         if query is None or not await self._authorized(scope):
             return None
-        key: ListKey = (None, None, None, int(query.group(1) or 50))
+        key: ListKey = (None, None, None, int(query.group(1) or LIST_LIMIT))
         try:
             listing = cache.fresh_listing(key)
             if listing is None:

@@ -8,8 +8,8 @@ touching the database; and new rows are served only up to the snapshot's last st
 pollers' cursors meet on the same steps and one query answers all of them (``Page``).
 The job list's pages are kept the same way (``Listing``). Staleness is bounded by ``ttl``
 (0.5 s by default); changes made through this API process (a submission, a sweep, a cancel,
-a priority) drop the snapshot and the listings at once, and a load that was already reading the job
-when they did is not stored (``forget`` moves the generation on): the next poll reads again.
+a priority) drop the snapshot and the listings at once, and a load that was already reading
+the job when they did is not stored (``forget`` moves the generation on): the next poll reads again.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from service.etag import etag_of, serialize
 from service.responses import JobOut
@@ -57,6 +58,9 @@ class Listing:
 
 # What a listing is kept by: status, owner, the cursor's job id and the limit.
 ListKey = tuple[str | None, str | None, int | None, int]
+_Aged = TypeVar("_Aged", Snapshot, Listing)
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class PollCache:
@@ -96,12 +100,25 @@ class PollCache:
             return self.store(job_id, load(), generation)
 
     def fresh(self, job_id: int) -> Snapshot | None:
+        return self._young(self._items.get(job_id))
+
+    def _young(self, item: _Aged | None) -> _Aged | None:
+        """``item`` if it was taken within ``ttl``."""
+        if self.ttl <= 0 or item is None or time.monotonic() - item.taken > self.ttl:
+            return None
+        return item
+
+    def _keep(self, items: dict[K, V], key: K, value: V, generation: int | None = None) -> None:
+        """Keep ``value`` under ``key``, unless it was loaded under ``generation`` and a
+        forget has happened since (see ``store``)."""
         if self.ttl <= 0:
-            return None
-        snap = self._items.get(job_id)
-        if snap is None or time.monotonic() - snap.taken > self.ttl:
-            return None
-        return snap
+            return
+        with self._lock:
+            if generation is not None and generation != self._generation:
+                return
+            if len(items) >= self.size:
+                items.clear()
+            items[key] = value
 
     def store(self, job_id: int, out: JobOut, generation: int | None = None) -> Snapshot:
         """Keep ``out`` as the job's snapshot, unless it was loaded under ``generation`` and
@@ -117,13 +134,7 @@ class PollCache:
             out.history_version,
             out.history_reset_step,
         )
-        if self.ttl > 0:
-            with self._lock:
-                if generation is not None and generation != self._generation:
-                    return snap
-                if len(self._items) >= self.size:
-                    self._items.clear()
-                self._items[job_id] = snap
+        self._keep(self._items, job_id, snap, generation)
         return snap
 
     def page(
@@ -144,11 +155,7 @@ class PollCache:
         kind: str = "rows",
     ) -> Page:
         page = Page(body, etag_of(body, snap.history_version), snap.taken)
-        if self.ttl > 0:
-            with self._lock:
-                if len(self._pages) >= self.size:
-                    self._pages.clear()
-                self._pages[(kind, job_id, after_step, limit)] = page
+        self._keep(self._pages, (kind, job_id, after_step, limit), page)
         return page
 
     def listing(self, key: ListKey, load: Callable[[], bytes]) -> Listing:
@@ -163,21 +170,11 @@ class PollCache:
             generation = self._generation
             body = load()
             listing = Listing(body, etag_of(body), time.monotonic())
-            if self.ttl > 0:
-                with self._lock:
-                    if generation == self._generation:  # see ``store``
-                        if len(self._lists) >= self.size:
-                            self._lists.clear()
-                        self._lists[key] = listing
+            self._keep(self._lists, key, listing, generation)
             return listing
 
     def fresh_listing(self, key: ListKey) -> Listing | None:
-        if self.ttl <= 0:
-            return None
-        found = self._lists.get(key)
-        if found is None or time.monotonic() - found.taken > self.ttl:
-            return None
-        return found
+        return self._young(self._lists.get(key))
 
     def forget(self, job_id: int | None = None) -> None:
         """Drop the job's snapshot and every listing after a change committed through this

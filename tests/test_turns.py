@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from tests.turns import turn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,24 +57,20 @@ def taken_in_thread(lock_dir: Path, *, exclusive: bool) -> tuple[threading.Event
     return taken, let_go
 
 
-def test_no_test_starts_while_the_server_restarts(tmp_path: Path) -> None:
-    with held_elsewhere(tmp_path, exclusive=True):
-        taken, let_go = taken_in_thread(tmp_path, exclusive=False)
-        assert not taken.wait(0.5)
+@pytest.mark.parametrize(
+    ("held", "asked", "waits"),
+    [
+        ("exclusive", "shared", True),  # no test starts while the server restarts
+        ("shared", "exclusive", True),  # a restart waits for the test in progress
+        ("shared", "shared", False),  # ordinary tests share the server
+    ],
+)
+def test_turns_on_the_server(tmp_path: Path, held: str, asked: str, waits: bool) -> None:
+    with held_elsewhere(tmp_path, exclusive=held == "exclusive"):
+        taken, let_go = taken_in_thread(tmp_path, exclusive=asked == "exclusive")
+        if waits:
+            assert not taken.wait(0.5)
+        else:
+            assert taken.wait(30)
     assert taken.wait(30)
     let_go.set()
-
-
-def test_a_restart_waits_for_the_test_in_progress(tmp_path: Path) -> None:
-    with held_elsewhere(tmp_path, exclusive=False):
-        taken, let_go = taken_in_thread(tmp_path, exclusive=True)
-        assert not taken.wait(0.5)
-    assert taken.wait(30)
-    let_go.set()
-
-
-def test_ordinary_tests_share_the_server(tmp_path: Path) -> None:
-    with held_elsewhere(tmp_path, exclusive=False):
-        taken, let_go = taken_in_thread(tmp_path, exclusive=False)
-        assert taken.wait(30)
-        let_go.set()

@@ -39,6 +39,7 @@ from service.responses import (
 from service.schemas import JobSpec, StrictModel, SubmitResult
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+LIST_LIMIT = 50  # the job list's page size when the query names none
 
 
 def job_out(job: Job) -> JobOut:
@@ -181,7 +182,7 @@ async def list_jobs(
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"] | None = None,
     owner: Annotated[str | None, Query(max_length=64)] = None,
     cursor: Annotated[str | None, Query(pattern=r"^[0-9]{1,12}$")] = None,
-    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    limit: Annotated[int, Query(ge=1, le=200)] = LIST_LIMIT,
 ) -> Response:
     # Async, from the poll cache as a job is: every dashboard reads this list on every
     # refresh, and loading and encoding a hundred jobs costs a hundred job snapshots.
