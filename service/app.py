@@ -22,6 +22,7 @@ from service.authcache import AuthCache, FailureLimiter
 from service.columnar import EXPORT_MEDIA_TYPES
 from service.db import Database
 from service.errors import HalfwayError, SpecError, TooManyRequests
+from service.feeds import Feeds
 from service.leanpolls import GZIP_LEVEL, GZIP_MINIMUM_SIZE, HalfwayAPI, LeanPolls
 from service.metrics import MetricsRegistry, ObserveRequests, metrics_response
 from service.pollcache import PollCache
@@ -230,6 +231,7 @@ def create_app(
         db, FailureLimiter(settings.auth_failure_burst, settings.auth_failures_per_second)
     )
     app.state.poll_cache = PollCache(settings.poll_cache_seconds)
+    app.state.feeds = Feeds(db)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

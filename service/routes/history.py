@@ -4,12 +4,11 @@ on one bucket grid."""
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import io
 import json
 from collections.abc import AsyncIterator, Iterator
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -23,9 +22,10 @@ from service.db import Database
 from service.deps import ID_PATTERN, MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
 from service.errors import SpecError
 from service.etag import etag_of, etag_response, respond
+from service.feeds import Feeds, listen
 from service.metrics import EVENT_STREAMS
-from service.models import FINISHED_STATUSES, ScaleEvent
-from service.pages import bucket_dict, cached_page, page_body, polled_page, step_dict
+from service.models import ScaleEvent
+from service.pages import bucket_dict, cached_page, page_body, polled_page
 from service.pollcache import PollCache
 from service.responses import (
     BucketOut,
@@ -39,7 +39,6 @@ from service.responses import (
     error_responses,
 )
 from service.routes import export
-from service.routes.jobs import job_out
 
 router = APIRouter(tags=["history"])
 
@@ -262,10 +261,9 @@ LAST_EVENT_ID = r"^([0-9]{1,10}:(-1|[0-9]{1,10}))?$"
     response_class=StreamingResponse,
     responses={200: {"content": {"text/event-stream": {}}}, **ERRORS},
 )
-def stream_events(
+async def stream_events(
     job_id: JobId,
     request: Request,
-    session: SessionDep,
     db: DbDep,
     _: PrincipalDep,
     after_step: Annotated[int, Query(ge=-1, le=MAX_STEP)] = -1,
@@ -279,101 +277,43 @@ def stream_events(
         ),
     ] = "",
 ) -> Response:
-    """Server-sent events: ``steps`` (new rows, batched), ``status`` (the job's status and
-    summary when they change), ``reset`` when a resume rewrote history the client already has
-    (``from_step``: drop what you hold from there; the rows that replace it follow), and a
-    final ``end`` once the job has finished and every row has been sent. Every event's id is
-    ``VERSION:STEP``, the history version and the last step sent, so an ``EventSource`` that
-    reconnects (with ``Last-Event-ID``) continues where it left off."""
-    jobs.get_job(session, job_id)
+    """Server-sent events: ``steps`` (new rows, batched), ``status`` (the job, as
+    ``GET /v1/jobs/{id}`` answers it, whenever it changes), ``reset`` when a resume rewrote
+    history the client already has (``from_step``: drop what you hold from there; the rows
+    that replace it follow), and a final ``end`` once the job has finished and every row has
+    been sent. Every event's id is ``VERSION:STEP``, the history version and the last step
+    sent, so an ``EventSource`` that reconnects (with ``Last-Event-ID``) continues where it
+    left off. Listeners of one job share one read per tick (``service.feeds``)."""
+    # Not a request-scoped session: that would hold a pooled connection for the stream's
+    # whole life, and a pool's worth of listeners would leave none for anyone else.
+    await run_in_threadpool(_check_job, db, job_id)
     version = None
     if last_event_id:
         seen, step = last_event_id.split(":")
         version, after_step = int(seen), min(int(step), MAX_STEP)
     return StreamingResponse(
-        _events(request, db, job_id, after_step, version),
+        _events(request, job_id, after_step, version),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
-def _sse(event: str, data: Any, event_id: str) -> str:
-    body = json.dumps(data, separators=(",", ":"))
-    return f"event: {event}\nid: {event_id}\ndata: {body}\n\n"
-
-
-class _Polled(NamedTuple):
-    rows: list[dict[str, Any]]
-    has_more: bool
-    status: dict[str, Any]
-    version: int
-    reset_step: int | None
-
-
-def _poll(db: Database, job_id: int, after: int) -> _Polled:
+def _check_job(db: Database, job_id: int) -> None:
     with db.read() as session:
-        job = jobs.get_job(session, job_id)  # before the rows: see page_body
-        out = job_out(job)
-        rows, has_more = history.read_steps(session, job_id, after_step=after, limit=5000)
-        status = {
-            "status": out.status,
-            "error": out.error,
-            "progress": out.progress.model_dump(),
-            "summary": out.summary.model_dump(mode="json"),
-        }
-        return _Polled(
-            [step_dict(r) for r in rows],
-            has_more,
-            status,
-            job.history_version,
-            job.history_reset_step,
-        )
+        jobs.get_job(session, job_id)  # 404 before the stream starts
 
 
 async def _events(
-    request: Request, db: Database, job_id: int, after: int, version: int | None
+    request: Request, job_id: int, after: int, version: int | None
 ) -> AsyncIterator[str]:
+    feeds: Feeds = request.app.state.feeds
     EVENT_STREAMS.inc()
     try:
-        last_status: dict[str, Any] | None = None
-        quiet_since = asyncio.get_running_loop().time()
-        while not await request.is_disconnected() and await still_valid(request):
-            polled = await run_in_threadpool(_poll, db, job_id, after)
-            now = asyncio.get_running_loop().time()
-            if version is not None and polled.version != version:
-                # Rewritten since the client's version: from the cut if it missed one
-                # rewrite, from the start if it missed more (only the latest cut is kept).
-                one = polled.version == version + 1 and polled.reset_step is not None
-                start = polled.reset_step if one and polled.reset_step is not None else 0
-                version = polled.version
-                if start <= after:
-                    after = start - 1
-                    yield _sse(
-                        "reset",
-                        {"history_version": version, "from_step": start},
-                        f"{version}:{after}",
-                    )
-                    continue  # read again from the cut
-            version = polled.version
-            event_id = f"{version}:{polled.rows[-1]['step'] if polled.rows else after}"
-            if polled.rows:
-                after = polled.rows[-1]["step"]
-                yield _sse("steps", {"after_step": after, "items": polled.rows}, event_id)
-                quiet_since = now
-            if polled.status != last_status:
-                last_status = polled.status
-                yield _sse("status", polled.status, event_id)
-                quiet_since = now
-            finished = polled.status["status"] in FINISHED_STATUSES
-            if finished and not polled.has_more and not polled.rows:
-                yield _sse("end", {"status": polled.status["status"], "last_step": after}, event_id)
-                return
-            if polled.has_more:
-                continue
-            if now - quiet_since > SSE_KEEPALIVE_SECONDS:
-                yield ": keepalive\n\n"
-                quiet_since = now
-            await asyncio.sleep(SSE_POLL_SECONDS)
+        async with feeds.joined(job_id, SSE_POLL_SECONDS) as feed:
+            async for text in listen(
+                feed, after, version, SSE_KEEPALIVE_SECONDS, lambda: still_valid(request)
+            ):
+                yield text
     finally:
         EVENT_STREAMS.dec()
 
