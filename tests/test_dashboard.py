@@ -1,11 +1,13 @@
 """The dashboard in a real browser (Debian's Chromium driven by Playwright) against the real
 app served by uvicorn: the token link, the job list, charts with every overflow marked, live
-updates by cursor, buckets for long runs and zoom, comparison, HTML injection and 401s; on
+updates through the job's event stream and, when that fails or with ?stream=0, by polling
+with a cursor, buckets for long runs and zoom, comparison, HTML injection and 401s; on
 SQLite, and on PostgreSQL when HALFWAY_TEST_DATABASE_URL is set."""
 
 from __future__ import annotations
 
 import math
+import re
 import socket
 import threading
 import time
@@ -20,7 +22,15 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from playwright.sync_api import Browser, Page, Request, Response, expect, sync_playwright
+from playwright.sync_api import (
+    Browser,
+    Page,
+    Request,
+    Response,
+    Route,
+    expect,
+    sync_playwright,
+)
 
 from service import history, jobs, normalization
 from service.app import create_app
@@ -45,6 +55,7 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 FAST = "poll_ms=200"  # the page polls every 2 s by default; tests need not wait that long
+POLLING = "stream=0"  # the page polls the selected job instead of listening to its stream
 PAYLOAD = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2">'
 SHORT_PAYLOAD = '<img src=x onerror="window.__pwned=3">'  # fits the 64-character owner
 
@@ -99,6 +110,7 @@ class Dashboard:
         self.base_url = base_url
         self.requests: list[Request] = []
         self.responses: list[tuple[str, int]] = []
+        self.event_streams: list[str] = []  # URLs answered 200 with an event stream
         self.errors: list[str] = []
         page.on("request", self._on_request)
         page.on("response", self._on_response)
@@ -117,6 +129,9 @@ class Dashboard:
     def _on_response(self, response: Response) -> None:
         if "/v1/" in response.url:
             self.responses.append((response.url, response.status))
+            kind = response.headers.get("content-type", "")
+            if response.status == 200 and kind.startswith("text/event-stream"):
+                self.event_streams.append(response.url)
 
     def open(self, path: str) -> None:
         self.page.goto(self.base_url + path)
@@ -129,6 +144,16 @@ class Dashboard:
             if parts.path == f"/v1/jobs/{job_id}/history":
                 out.append({k: v[0] for k, v in parse_qs(parts.query).items()})
         return out
+
+    def requests_to(self, path: str) -> list[Request]:
+        """The requests for one path (any query), in order."""
+        return [r for r in list(self.requests) if urlsplit(r.url).path == path]
+
+    def job_polls(self, job_id: int) -> list[Request]:
+        return self.requests_to(f"/v1/jobs/{job_id}")
+
+    def streams(self, job_id: int) -> list[Request]:
+        return self.requests_to(f"/v1/jobs/{job_id}/events")
 
     def job_row(self, job_id: int) -> Any:
         return self.page.locator(f'#jobs tbody tr[data-job-id="{job_id}"]')
@@ -205,6 +230,25 @@ def write(db: Database, job_id: int, rows: list[StepRecord], batch: int = 20_000
             job = session.get(Job, job_id)
             assert job is not None
             history.write_steps(session, job, rows[i : i + batch], now=utcnow())
+
+
+def finish(db: Database, job_id: int, status: str = "succeeded") -> None:
+    with db.write() as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        job.status = status
+        job.finished_at = utcnow()
+
+
+def set_hidden(page: Page, hidden: bool) -> None:
+    """Make the page believe its tab was hidden (or shown again), as switching tabs does."""
+    page.evaluate(
+        """(hidden) => {
+            Object.defineProperty(document, "hidden", { value: hidden, configurable: true });
+            document.dispatchEvent(new Event("visibilitychange"));
+        }""",
+        hidden,
+    )
 
 
 def wait_until(page: Page, check: Any, timeout: float = 10.0) -> None:
@@ -379,12 +423,13 @@ def test_charts_render_and_mark_every_overflow_step(
     expect(dash.page.locator("#job-status")).to_have_text("failed")
 
 
-def test_live_updates_fetch_only_new_rows(
+def test_polling_live_updates_fetch_only_new_rows(
     dash: Dashboard, db: Database, settings: Settings, team: Team
 ) -> None:
+    """The polling path (?stream=0; also what the page falls back to without its stream)."""
     job_id = add_job(db, settings, name="live", total_steps=1000)
     write(db, job_id, records(0, 100, overflow_at=[40]))
-    dash.open(f"/?token={team.alice}&{FAST}#job={job_id}")
+    dash.open(f"/?token={team.alice}&{FAST}&{POLLING}#job={job_id}")
     loss_chart = dash.page.locator("#loss-chart")
     expect(loss_chart).to_have_attribute("data-points", "100")
     expect(loss_chart).to_have_attribute("data-overflow-markers", "1")
@@ -410,6 +455,161 @@ def test_live_updates_fetch_only_new_rows(
     assert all("points" not in q for q in dash.history_queries(job_id))
     # Rows come as columns, the shape uPlot takes, not as an object per row.
     assert all(q.get("format") == "columns" for q in dash.history_queries(job_id))
+    assert dash.streams(job_id) == []
+    expect(dash.page.locator("#live")).to_have_attribute("data-transport", "poll")
+
+
+# --------------------------------------------------------------------------------------------
+# Live updates through the job's event stream
+
+
+def stream_answered(dash: Dashboard, job_id: int) -> int:
+    """How many of the job's stream requests were answered with an event stream."""
+    path = f"/v1/jobs/{job_id}/events"
+    return sum(1 for url in list(dash.event_streams) if urlsplit(url).path == path)
+
+
+def test_a_streamed_job_gets_its_new_rows_without_polling_the_job_or_its_history(
+    dash: Dashboard, db: Database, settings: Settings, team: Team
+) -> None:
+    """The page reads the job and its rows once, then listens: rows and each change of the
+    job arrive as events, while the job list is still polled."""
+    job_id = add_job(db, settings, name="streamed", total_steps=1000)
+    write(db, job_id, records(0, 100, overflow_at=[40]))
+    dash.open(f"/?token={team.alice}&{FAST}#job={job_id}")
+    loss_chart = dash.page.locator("#loss-chart")
+    expect(loss_chart).to_have_attribute("data-points", "100")
+    wait_until(dash.page, lambda: stream_answered(dash, job_id) == 1)
+    expect(dash.page.locator("#live")).to_have_attribute("data-transport", "stream")
+    lists = len(dash.requests_to("/v1/jobs"))
+
+    for start in (100, 160, 220):  # rows keep arriving, as from a training job
+        write(db, job_id, records(start, 60, overflow_at=[start + 30], scale=16384.0))
+        expect(loss_chart).to_have_attribute("data-points", str(start + 60))
+    expect(loss_chart).to_have_attribute("data-overflow-markers", "4")
+    expect(loss_chart).to_have_attribute("data-distinct-steps", "280")
+    # The status events carry the whole job: its summary follows without a poll.
+    expect(dash.page.locator("#job-summary")).to_contain_text("280 / 1,000 steps")
+
+    finish(db, job_id)
+    expect(dash.page.locator("#job-status")).to_have_text("succeeded")
+    dash.page.wait_for_timeout(600)  # three ticks: none of them asks for the job
+
+    assert len(dash.job_polls(job_id)) == 1, "the job is read once, for the first render"
+    assert [q["after_step"] for q in dash.history_queries(job_id)] == ["-1"]
+    streams = dash.streams(job_id)
+    assert len(streams) == 1, "one stream, never reopened (not even after its end)"
+    assert parse_qs(urlsplit(streams[0].url).query)["after_step"] == ["99"]
+    # From the rows held, with their version: a rewrite since then would come as a reset.
+    assert streams[0].headers.get("last-event-id") == "0:99"
+    assert streams[0].headers.get("authorization") == f"Bearer {team.alice}"
+    assert len(dash.requests_to("/v1/jobs")) > lists + 2, "the job list is still polled"
+
+
+@pytest.mark.parametrize("failure", ["refused", "bad gateway", "not a stream"])
+def test_without_its_stream_the_page_polls_and_tries_the_stream_again_later(
+    dash: Dashboard, db: Database, settings: Settings, team: Team, failure: str
+) -> None:
+    """What a proxy in front of the server may do to a stream: refuse the connection, answer
+    502, or answer 200 with a page of its own. The page reconnects a few times, then polls
+    the job as it did before it listened (new rows still show), and later tries again."""
+
+    def block(route: Route) -> None:
+        if failure == "refused":
+            route.abort("connectionrefused")
+        elif failure == "bad gateway":
+            route.fulfill(status=502, content_type="text/html", body="<h1>502 Bad Gateway</h1>")
+        else:
+            route.fulfill(status=200, content_type="text/html", body="<p>Sign in to the proxy</p>")
+
+    events = "**/v1/jobs/*/events*"
+    dash.page.route(events, block)
+    job_id = add_job(db, settings, name="behind-a-proxy", total_steps=1000)
+    write(db, job_id, records(0, 100))
+    dash.open(f"/?token={team.alice}&{FAST}&stream_retry_ms=2000#job={job_id}")
+    loss_chart = dash.page.locator("#loss-chart")
+    expect(loss_chart).to_have_attribute("data-points", "100")
+
+    write(db, job_id, records(100, 60, overflow_at=[130]))
+    expect(loss_chart).to_have_attribute("data-points", "160")
+    assert len(dash.streams(job_id)) >= 3, "three tries before polling"
+    assert "99" in [q["after_step"] for q in dash.history_queries(job_id)], "polled for rows"
+    assert len(dash.job_polls(job_id)) > 1
+    expect(dash.page.locator("#live")).to_have_attribute("data-transport", "poll")
+    expect(dash.page.locator("#live")).to_have_attribute(
+        "title", re.compile("^polling \\(the event stream failed")
+    )
+
+    # The proxy lets streams through again: the next try listens, and polling stops.
+    dash.page.unroute(events)
+    wait_until(dash.page, lambda: stream_answered(dash, job_id) == 1)
+    expect(dash.page.locator("#live")).to_have_attribute("data-transport", "stream")
+    polls, histories = len(dash.job_polls(job_id)), len(dash.history_queries(job_id))
+    assert dash.streams(job_id)[-1].headers.get("last-event-id") == "0:159"
+    write(db, job_id, records(160, 60, overflow_at=[200]))
+    expect(loss_chart).to_have_attribute("data-points", "220")
+    expect(loss_chart).to_have_attribute("data-distinct-steps", "220")
+    expect(loss_chart).to_have_attribute("data-overflow-markers", "2")
+    assert (len(dash.job_polls(job_id)), len(dash.history_queries(job_id))) == (polls, histories)
+
+
+def test_a_stream_refused_for_its_token_asks_for_another(
+    dash: Dashboard, db: Database, settings: Settings, team: Team
+) -> None:
+    """A 401 on the stream brings up the token form, as one on a poll does; the new token
+    is the one the stream then goes on with."""
+    events = "**/v1/jobs/*/events*"
+    dash.page.route(
+        events,
+        lambda route: route.fulfill(
+            status=401,
+            content_type="application/json",
+            body='{"error": "unauthorized", "message": "token revoked", "fields": []}',
+        ),
+    )
+    job_id = add_job(db, settings, name="revoked")
+    write(db, job_id, records(0, 50))
+    dash.open(f"/?token={team.alice}&{FAST}#job={job_id}")
+    expect(dash.page.locator("#auth")).to_be_visible()
+    expect(dash.page.locator("#auth-message")).to_contain_text("refused the token (token revoked)")
+    assert len(dash.streams(job_id)) == 1, "a refused token is not retried"
+
+    dash.page.unroute(events)
+    dash.page.fill("#auth-token", team.bob)
+    dash.page.click("#auth-form button[type=submit]")
+    wait_until(dash.page, lambda: stream_answered(dash, job_id) == 1)
+    assert dash.streams(job_id)[-1].headers.get("authorization") == f"Bearer {team.bob}"
+    expect(dash.page.locator("#loss-chart")).to_have_attribute("data-points", "50")
+
+
+def test_a_hidden_tab_closes_the_stream_and_goes_on_from_the_last_event_when_shown(
+    dash: Dashboard, db: Database, settings: Settings, team: Team
+) -> None:
+    job_id = add_job(db, settings, name="hidden", total_steps=1000)
+    write(db, job_id, records(0, 100))
+    dash.open(f"/?token={team.alice}&{FAST}#job={job_id}")
+    loss_chart = dash.page.locator("#loss-chart")
+    expect(loss_chart).to_have_attribute("data-points", "100")
+    wait_until(dash.page, lambda: stream_answered(dash, job_id) == 1)
+
+    aborted: list[str] = []
+    dash.page.on("requestfailed", lambda r: aborted.append(r.url) if "/events" in r.url else None)
+    set_hidden(dash.page, True)
+    wait_until(dash.page, lambda: aborted)
+    write(db, job_id, records(100, 60))
+    dash.page.wait_for_timeout(2000)  # the server sends rows within a second to a listener
+    expect(loss_chart).to_have_attribute("data-points", "100")
+    expect(dash.page.locator("#live")).to_have_attribute("data-state", "paused")
+    assert len(dash.streams(job_id)) == 1
+
+    set_hidden(dash.page, False)
+    expect(loss_chart).to_have_attribute("data-points", "160")
+    expect(loss_chart).to_have_attribute("data-distinct-steps", "160")
+    streams = dash.streams(job_id)
+    assert len(streams) == 2
+    assert streams[1].headers.get("last-event-id") == "0:99"  # where the last event left off
+    assert len(dash.job_polls(job_id)) == 1
+    assert [q["after_step"] for q in dash.history_queries(job_id)] == ["-1"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -477,12 +677,14 @@ def test_a_long_run_is_drawn_from_buckets_and_zoom_requeries_the_range(
     expect(dash.page.locator("#reset-zoom")).to_be_hidden()
 
 
+@pytest.mark.parametrize("transport", ["stream", "poll"])
 def test_a_run_that_grows_past_the_threshold_switches_to_buckets(
-    dash: Dashboard, db: Database, settings: Settings, team: Team
+    dash: Dashboard, db: Database, settings: Settings, team: Team, transport: str
 ) -> None:
     job_id = add_job(db, settings, name="growing", total_steps=5000)
     write(db, job_id, records(0, 800, overflow_at=[100]))
-    dash.open(f"/?token={team.alice}&{FAST}&bucket_threshold=1000#job={job_id}")
+    polling = f"&{POLLING}" if transport == "poll" else ""
+    dash.open(f"/?token={team.alice}&{FAST}{polling}&bucket_threshold=1000#job={job_id}")
     loss_chart = dash.page.locator("#loss-chart")
     expect(loss_chart).to_have_attribute("data-mode", "raw")
     expect(loss_chart).to_have_attribute("data-points", "800")
@@ -498,6 +700,12 @@ def test_a_run_that_grows_past_the_threshold_switches_to_buckets(
     # Still live in bucket mode.
     write(db, job_id, records(3000, 2000, overflow_at=[4000], scale=4096.0))
     expect(loss_chart).to_have_attribute("data-overflow-steps", "4")
+    if transport == "stream":
+        # The stream's status events told it when the buckets were outdated; only the
+        # buckets were read, never the job or raw rows after the first load.
+        assert len(dash.job_polls(job_id)) == 1
+        assert [q["after_step"] for q in queries[:switched]] == ["-1"]
+        assert len(dash.streams(job_id)) == 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -577,14 +785,16 @@ def test_html_in_job_fields_is_shown_as_text_and_never_runs(
 # A resumed job
 
 
+@pytest.mark.parametrize("transport", ["stream", "poll"])
 def test_a_job_resumed_after_a_crash_shows_every_step_once_and_only_the_new_attempt(
-    dash: Dashboard, db: Database, settings: Settings, team: Team, tmp_path: Path
+    dash: Dashboard, db: Database, settings: Settings, team: Team, tmp_path: Path, transport: str
 ) -> None:
     """A real supervisor runs a fake trainer (a spawned process, no TensorFlow) that trains
     steps 0..199 with overflows at 150, 160 and 170, checkpoints at 128 and is killed; the
     job resumes from 128 and trains to 299 with overflows at 140 and 250 only. The page,
     which drew attempt 1's rows, must end with each step once and only the new attempt's
-    overflows: its rows from 128 on were replaced."""
+    overflows: its rows from 128 on were replaced. Listening, the page learns it from the
+    stream's `reset`; polling, from the job's history_version."""
     crash = tmp_path / "crash-now"
     plan = [
         {
@@ -602,7 +812,8 @@ def test_a_job_resumed_after_a_crash_shows_every_step_once_and_only_the_new_atte
     worker = threading.Thread(target=supervisor.run_forever, daemon=True)
     worker.start()
     try:
-        dash.open(f"/?token={team.alice}&{FAST}#job={job_id}")
+        polling = f"&{POLLING}" if transport == "poll" else ""
+        dash.open(f"/?token={team.alice}&{FAST}{polling}#job={job_id}")
         loss_chart = dash.page.locator("#loss-chart")
         expect(loss_chart).to_have_attribute("data-points", "200")
         expect(loss_chart).to_have_attribute("data-overflow-markers", "3")
@@ -621,6 +832,12 @@ def test_a_job_resumed_after_a_crash_shows_every_step_once_and_only_the_new_atte
         assert job is not None
         assert (job.attempt, job.history_version, job.history_reset_step) == (2, 1, 128)
         assert job.overflow_count == 2
+    if transport == "stream":
+        # The job and its first rows were read once; all else came through one stream.
+        assert len(dash.job_polls(job_id)) == 1
+        assert [q["after_step"] for q in dash.history_queries(job_id)] == ["-1"]
+        assert len(dash.streams(job_id)) == 1
+        return
     # It went back to the cut, not to the start, and read on from there.
     cursors = [int(q["after_step"]) for q in dash.history_queries(job_id)]
     back = cursors.index(127)

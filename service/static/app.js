@@ -3,6 +3,9 @@
  * Rules this file keeps:
  * - Job names, owners, errors, warnings and metrics are user-controlled: they only ever reach
  *   the page through textContent / createTextNode, never innerHTML.
+ * - The selected job is followed through its event stream (GET /v1/jobs/{id}/events): the
+ *   server sends new rows and each change of the job, so the page need not ask. When the
+ *   stream cannot be used (a proxy that blocks it, ?stream=0) the page polls instead.
  * - A polled resource is re-read with If-None-Match, and raw history only with an after_step
  *   cursor, so an idle dashboard costs a few empty 304s every couple of seconds.
  * - Long runs are drawn from buckets (min/max/last per bucket), never from a million raw rows.
@@ -28,6 +31,17 @@
     rawPageLimit: 50000,
     jobListLimit: 100,
     maxCompare: 10,
+    // ?stream=0 polls the selected job as the page did before it listened (and keeps that
+    // path testable).
+    stream: params.get("stream") !== "0",
+    // After falling back to polling, try the stream again this much later.
+    streamRetryMs: intParam("stream_retry_ms", 60000, 1000, 3600000),
+    streamFailures: 3, // failures in a row before falling back to polling
+    streamBackoffMs: 1000, // before the first reconnect; doubles for each failure after it
+    // The server sends the job as soon as a stream opens and a keepalive every 15 s; silence
+    // beyond these means something in between holds the stream back (a buffering proxy).
+    streamFirstEventMs: 10000,
+    streamQuietMs: 45000,
   };
   const TOKEN_KEY = "halfway.token";
   // Job statuses come from the server (GET /v1/vocabulary), defined once in service/vocabulary.py.
@@ -152,6 +166,7 @@
 
   function askForToken(message) {
     stopPolling();
+    pauseStream();
     $("#app").hidden = true;
     $("#forget-token").hidden = true;
     $("#auth").hidden = false;
@@ -255,12 +270,10 @@
     poll.busy = true;
     try {
       await refresh();
-      setLive("live", "updated " + new Date().toLocaleTimeString());
+      setLive("live", `${liveDetail()} · updated ${new Date().toLocaleTimeString()}`);
     } catch (err) {
       if (err instanceof HttpError && err.status === 401) {
-        askForToken(storedToken()
-          ? `The server refused the token (${err.message}). Paste a valid token.`
-          : "This server needs an API token.");
+        tokenRefused(err);
       } else {
         setLive("error", String(err.message || err));
         console.warn("refresh failed", err);
@@ -277,16 +290,39 @@
     }
   }
 
+  function tokenRefused(err) {
+    askForToken(storedToken()
+      ? `The server refused the token (${err.message}). Paste a valid token.`
+      : "This server needs an API token.");
+  }
+
   async function refresh() {
     if (!STATUSES.length) STATUSES = (await api("/v1/vocabulary")).body.job_statuses;
+    // The list and the comparison are polled even while the selected job streams: they are
+    // cheap for the server (cached, 304s) and cover jobs nobody streams.
     await refreshJobs();
-    if (selection.id !== null) await refreshSelected();
+    if (selection.hist) await refreshSelection(selection.hist);
     if (comparison.ids.length >= 2) await refreshCompare();
+  }
+
+  /** How the selected job is kept current: "streaming" or "polling". */
+  function transport() {
+    return streamServes(selection.hist) ? "streaming" : "polling";
+  }
+
+  /** The live indicator's tooltip: how, and when polling instead of listening, why. */
+  function liveDetail() {
+    if (stream.hist !== selection.hist) return transport();
+    if (stream.state === "ended") return "streamed until the job ended";
+    if (stream.state !== "fallback") return transport();
+    const retry = new Date(stream.retryAt).toLocaleTimeString();
+    return `polling (the event stream failed: ${stream.why}; trying it again at ${retry})`;
   }
 
   function setLive(state, detail) {
     const live = $("#live");
     live.dataset.state = state;
+    live.dataset.transport = transport() === "streaming" ? "stream" : "poll";
     setText(live, { live: "live", paused: "paused", error: "error", auth: "no token" }[state]);
     live.title = detail || "";
   }
@@ -634,6 +670,7 @@
     const match = /(?:^|&)job=(\d+)/.exec(location.hash.slice(1));
     const id = match ? Number(match[1]) : null;
     if (id === selection.id) return;
+    dropStream(); // the old job's stream, if any
     selection.id = id;
     selection.hist = id === null ? null : newHistory(id);
     selection.layout = null;
@@ -653,11 +690,30 @@
       version: null, // the history_version the rows held belong to
       stale: true, // buckets must be (re)read even if the job did not change
       drawn: { at: 0, step: 0, width: 1 }, // when and at which step buckets were last read
+      steps: 0, // the job's progress.step (steps done) as last seen
+      lastStep: -1, // the job's summary.last_step as last seen: where a bucket-mode stream starts
+      loaded: false, // read and drawn once: the stream can take over from here
     };
   }
 
-  async function refreshSelected() {
-    const hist = selection.hist;
+  /** Keep the selected job current: through its stream when that works, else by polling.
+   * Runs inside a tick, so a poll and the opening of a stream never overlap. */
+  async function refreshSelection(hist) {
+    if (streamServes(hist)) {
+      // The stream brings the job and its rows; a zoom still needs its buckets read.
+      if (hist.mode === "buckets" && hist.stale) await pullBuckets(hist, hist.steps);
+      return;
+    }
+    if (stream.hist === hist && stream.state === "paused") {
+      connect(hist); // back from a hidden tab or a token prompt: go on from the last event
+      return;
+    }
+    await pollSelected(hist);
+    if (hist === selection.hist && streamWanted(hist)) openStream(hist);
+  }
+
+  /** The polling path: the job (If-None-Match), then its new rows or its buckets. */
+  async function pollSelected(hist) {
     let result;
     try {
       result = await api(`/v1/jobs/${hist.jobId}`, "job");
@@ -672,12 +728,19 @@
     const job = result.body;
     if (result.changed) renderJob(job);
     followRewrite(hist, job.history_version, job.history_reset_step);
-    const steps = job.progress.step || 0;
-    if (hist.mode === "raw" && steps > CONFIG.bucketThreshold) toBuckets(hist);
+    await followJob(hist, job, result.changed);
     if (hist.mode === "raw") await pullRows(hist, result.changed);
-    else if (hist.stale || (result.changed && bucketsOutdated(hist, steps))) {
-      await pullBuckets(hist, steps);
-    }
+    hist.loaded = true;
+  }
+
+  /** What a (changed) job means for the chart, polled or streamed alike: past the threshold
+   * the job is drawn from buckets, and buckets are read again once they are outdated. */
+  async function followJob(hist, job, changed) {
+    hist.steps = job.progress.step || 0;
+    hist.lastStep = job.summary.last_step ?? -1;
+    if (hist.mode === "raw" && hist.steps > CONFIG.bucketThreshold) toBuckets(hist);
+    const outdated = changed && bucketsOutdated(hist, hist.steps);
+    if (hist.mode === "buckets" && (hist.stale || outdated)) await pullBuckets(hist, hist.steps);
   }
 
   /** A resume replaced the history from some step on (history_version moved): drop what is
@@ -688,6 +751,11 @@
     if (version <= hist.version) return; // an older answer (another API replica's cache)
     const from = version === hist.version + 1 && resetStep !== null ? resetStep : 0;
     hist.version = version;
+    dropFrom(hist, from);
+  }
+
+  /** Forget the rows held from a step on (they were replaced); buckets are read again. */
+  function dropFrom(hist, from) {
     if (hist.raw) {
       const keep = hist.raw.steps.findIndex((step) => step >= from);
       if (keep >= 0) for (const column of Object.values(hist.raw)) column.length = keep;
@@ -837,6 +905,252 @@
     setText($("#job-mode"), info.mode === "raw" ? "raw steps"
       : `${stepsEach(info.width)} per bucket`);
     setText($("#chart-caption"), info.text);
+  }
+
+  // ---- The selected job's event stream -------------------------------------------------------
+  //
+  // GET /v1/jobs/{id}/events sends `steps` (new rows), `status` (the whole job, whenever it
+  // changes), `reset` (a resume replaced the rows from a step on) and a final `end`. One
+  // listener costs the server far less than a page polling the job and its rows, so while the
+  // stream serves the selected job the ticks leave it alone. It is read with fetch(), not
+  // EventSource, which cannot send the Authorization header.
+
+  const stream = {
+    hist: null, // the selection it follows; null: none
+    // off | connecting | open | waiting (to reconnect) | paused (a hidden tab, the token
+    // prompt) | ended (the job finished) | fallback (polling until retryAt)
+    state: "off",
+    controller: null, // aborts the connection's request
+    lastId: "", // VERSION:STEP of the last event handled: where a reconnect goes on from
+    failures: 0, // in a row
+    why: "", // the last failure, for the live indicator
+    retryAt: 0,
+    timer: null, // the reconnect's
+    watchdog: null,
+  };
+
+  /** True while the stream, not polling, keeps this history current. */
+  function streamServes(hist) {
+    return !!hist && stream.hist === hist &&
+      ["connecting", "open", "waiting", "ended"].includes(stream.state);
+  }
+
+  function streamWanted(hist) {
+    if (!CONFIG.stream || !hist.loaded) return false;
+    if (stream.hist !== hist) return true;
+    return stream.state === "fallback" && Date.now() >= stream.retryAt;
+  }
+
+  /** Listen from where the page's own rows end. The position goes as Last-Event-ID even on
+   * the first request, so the server compares history versions: a rewrite since the page's
+   * read arrives as a `reset`, never as new rows stacked onto replaced ones. */
+  function openStream(hist) {
+    const step = hist.mode === "raw" ? hist.cursor : hist.lastStep;
+    // A retry after falling back keeps its failure count: one more failure, back to polling.
+    if (stream.hist !== hist) stream.failures = 0;
+    stream.hist = hist;
+    stream.lastId = `${hist.version}:${step}`;
+    connect(hist);
+  }
+
+  /** Stop for now (a hidden tab, the token prompt); refreshSelection reconnects from lastId. */
+  function pauseStream() {
+    if (!["connecting", "open", "waiting"].includes(stream.state)) return;
+    closeConnection();
+    stream.state = "paused";
+  }
+
+  /** Forget the stream altogether (another job was selected). */
+  function dropStream() {
+    closeConnection();
+    Object.assign(stream, { hist: null, state: "off", lastId: "", failures: 0, retryAt: 0 });
+  }
+
+  function closeConnection() {
+    clearTimeout(stream.timer);
+    clearTimeout(stream.watchdog);
+    const controller = stream.controller;
+    stream.controller = null; // before aborting: connect() then knows the abort was meant
+    if (controller) controller.abort();
+  }
+
+  /** One connection, from fetch to the end of its body; a failure leads to streamFailed. */
+  async function connect(hist) {
+    clearTimeout(stream.timer);
+    const controller = new AbortController();
+    stream.controller = controller;
+    stream.state = "connecting";
+    const headers = { Accept: "text/event-stream", "Last-Event-ID": stream.lastId };
+    const token = storedToken();
+    if (token) headers.Authorization = "Bearer " + token;
+    const url = `/v1/jobs/${hist.jobId}/events?after_step=${stream.lastId.split(":")[1]}`;
+    let failure;
+    try {
+      watch(controller, CONFIG.streamFirstEventMs);
+      const response = await fetch(url, { headers, cache: "no-store", signal: controller.signal });
+      if (!response.ok) throw new HttpError(response.status, await errorMessage(response));
+      const type = response.headers.get("Content-Type") || "";
+      // A proxy or a login page may answer 200 with something else altogether.
+      if (!type.startsWith("text/event-stream")) throw new Error(`not an event stream: ${type}`);
+      stream.state = "open";
+      setLive("live", "streaming");
+      await readEvents(response.body, () => watch(controller, CONFIG.streamQuietMs),
+        (event) => onStreamEvent(hist, event));
+      failure = new Error("the stream closed before the job ended");
+    } catch (err) {
+      failure = err;
+    }
+    if (stream.controller !== controller) return; // closed on purpose, or by onEnd
+    stream.controller = null;
+    clearTimeout(stream.watchdog);
+    if (failure instanceof HttpError && failure.status === 401) tokenRefused(failure);
+    else streamFailed(hist, failure);
+  }
+
+  /** Abort a connection that stays silent too long: a stream held back by something between
+   * (a buffering proxy) or a network gone away without a word. */
+  function watch(controller, ms) {
+    clearTimeout(stream.watchdog);
+    stream.watchdog = setTimeout(
+      () => controller.abort(new Error(`nothing received for ${ms / 1000} s`)), ms);
+  }
+
+  /** Reconnect with backoff; after a few failures in a row poll instead (the ticks do, once
+   * the state is "fallback") and try the stream again later. */
+  function streamFailed(hist, err) {
+    stream.failures++;
+    stream.why = String((err && err.message) || err);
+    console.warn("event stream failed", err);
+    if (stream.failures >= CONFIG.streamFailures) {
+      stream.state = "fallback";
+      stream.retryAt = Date.now() + CONFIG.streamRetryMs;
+      setLive("live", liveDetail());
+      kick();
+      return;
+    }
+    stream.state = "waiting";
+    const delay = CONFIG.streamBackoffMs * 2 ** (stream.failures - 1);
+    setLive("live", `reconnecting the event stream in ${delay / 1000} s (${stream.why})`);
+    stream.timer = setTimeout(() => connect(hist), delay);
+  }
+
+  /** Handle one event. Awaited by readEvents, so events are handled one at a time, in order. */
+  async function onStreamEvent(hist, { name, id, data }) {
+    if (hist !== selection.hist || stream.hist !== hist) return;
+    const body = JSON.parse(data);
+    if (name === "steps") await onSteps(hist, body, id);
+    else if (name === "status") await onStatus(hist, body);
+    else if (name === "reset") onReset(hist, body);
+    else if (name === "end") await onEnd(hist, body);
+    if (id) stream.lastId = id; // only once handled: a reconnect must not skip it
+    stream.failures = 0; // it works
+    setLive("live", `streaming · updated ${new Date().toLocaleTimeString()}`);
+  }
+
+  /** New rows, appended as a polled page's are. In bucket mode they are not kept: the
+   * status events say when the buckets are outdated, as a polled job does. */
+  async function onSteps(hist, { items }, id) {
+    if (hist.mode !== "raw") return;
+    // The server sends a newer version's rows only after the `reset` that dropped what they
+    // replace, or when none of the rows held were replaced: those held stay valid under it.
+    hist.version = Math.max(hist.version, Number(id.split(":")[0]));
+    const raw = hist.raw;
+    for (const row of items) {
+      if (row.step <= hist.cursor) continue; // held already
+      raw.steps.push(row.step);
+      raw.loss.push(row.loss); // null for NaN/inf: a gap in the line
+      raw.scale.push(row.loss_scale);
+      raw.finite.push(row.finite);
+      hist.cursor = row.step;
+    }
+    if (raw.steps.length > CONFIG.bucketThreshold) {
+      toBuckets(hist);
+      await pullBuckets(hist, hist.cursor + 1);
+      return;
+    }
+    scheduleDraw();
+  }
+
+  /** The job changed: handled as a polled job that changed. */
+  async function onStatus(hist, job) {
+    renderJob(job);
+    followRewrite(hist, job.history_version, job.history_reset_step);
+    await followJob(hist, job, true);
+  }
+
+  /** A resume replaced the rows from from_step on; the rows that replace them follow. */
+  function onReset(hist, { history_version: version, from_step: from }) {
+    hist.version = Math.max(hist.version, version);
+    dropFrom(hist, from);
+    if (hist.mode === "raw") scheduleDraw();
+    // In bucket mode the job's next status (its history_version moved) re-reads the buckets.
+  }
+
+  /** The job finished and every row was sent: stop listening, the page shows its end. */
+  async function onEnd(hist, { last_step: lastStep }) {
+    stream.state = "ended";
+    closeConnection();
+    // Buckets read a few steps before the end miss the last ones: read them once more.
+    if (hist.mode === "buckets" && hist.drawn.step <= lastStep) {
+      await pullBuckets(hist, lastStep + 1);
+    }
+  }
+
+  let drawQueued = false;
+
+  /** Rows may arrive several times a second; the chart is redrawn at most once a frame. */
+  function scheduleDraw() {
+    if (drawQueued) return;
+    drawQueued = true;
+    requestAnimationFrame(() => {
+      drawQueued = false;
+      const hist = selection.hist;
+      if (hist && hist.mode === "raw") drawRaw(hist);
+    });
+  }
+
+  /** Read a text/event-stream body (the WHATWG format). onBytes() is called for whatever
+   * arrives, keepalive comments included; onEvent({name, id, data}) for each event, awaited. */
+  async function readEvents(body, onBytes, onEvent) {
+    const reader = body.getReader();
+    const decoder = new TextDecoder();
+    let pending = ""; // the start of a line whose end has not arrived yet
+    let event = newEvent();
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      onBytes();
+      const text = pending + decoder.decode(value, { stream: true });
+      // A chunk may end between the "\r" and "\n" of one line break: keep the "\r" for later.
+      const cut = text.endsWith("\r") ? text.length - 1 : text.length;
+      const lines = text.slice(0, cut).split(/\r\n|\r|\n/);
+      pending = lines.pop() + text.slice(cut);
+      for (const line of lines) {
+        if (line === "") { // a blank line ends the event
+          if (event.data.length) {
+            await onEvent({ name: event.name || "message", id: event.id,
+              data: event.data.join("\n") });
+          }
+          event = newEvent();
+        } else if (!line.startsWith(":")) { // ":" starts a comment: the server's keepalive
+          addField(event, line);
+        }
+      }
+    }
+  }
+
+  function newEvent() {
+    return { name: "", id: "", data: [] };
+  }
+
+  function addField(event, line) {
+    const colon = line.indexOf(":");
+    const field = colon < 0 ? line : line.slice(0, colon);
+    let value = colon < 0 ? "" : line.slice(colon + 1);
+    if (value.startsWith(" ")) value = value.slice(1);
+    if (field === "event") event.name = value;
+    else if (field === "data") event.data.push(value);
+    else if (field === "id") event.id = value;
   }
 
   // ---- The selected job's summary -------------------------------------------------------------
@@ -1007,7 +1321,8 @@
     $("#forget-token").addEventListener("click", forgetToken);
     $("#reset-zoom").addEventListener("click", () => selection.pair && selection.pair.zoom(null));
     window.addEventListener("hashchange", selectFromHash);
-    document.addEventListener("visibilitychange", () => document.hidden || kick());
+    // A hidden tab neither polls nor holds a stream open; becoming visible resumes both.
+    document.addEventListener("visibilitychange", () => (document.hidden ? pauseStream() : kick()));
     selectFromHash();
     // Try even without a token: a server started with --no-auth needs none, and one that does
     // answers 401, which brings up the token form.
