@@ -183,8 +183,13 @@ async def still_valid(request: Request) -> bool:
         return True
     token = request.headers.get("authorization", "").partition(" ")[2].strip()
     cache: AuthCache = request.app.state.auth_cache
+    return await token_still_good(cache, token, request.client.host if request.client else "")
+
+
+async def token_still_good(cache: AuthCache, token: str, client: str) -> bool:
+    """``still_valid`` for a caller that has the token and the client's address at hand."""
     try:
-        await cache.principal(token, request.client.host if request.client else "unknown")
+        await cache.principal(token, client or "unknown")
     except (Unauthorized, TooManyRequests):
         return False
     return True

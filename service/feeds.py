@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import json
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -26,11 +26,13 @@ from fastapi.concurrency import run_in_threadpool
 
 from service import history, jobs
 from service.db import Database
+from service.metrics import EVENT_STREAMS
 from service.models import FINISHED_STATUSES, Job
 from service.pages import step_dict
 from service.routes.jobs import job_out
 
 ROWS_PER_READ = 5000
+KEEPALIVE = b": keepalive\n\n"
 KEPT_EVENTS = 64  # a listener this far behind the feed reads alone until it is back
 
 
@@ -116,7 +118,7 @@ def end_event(at: Position, status: dict[str, Any]) -> str:
 @dataclass
 class Event:
     seq: int
-    text: str
+    text: bytes  # encoded once, sent to every listener as is
     end: Position  # the position after it
 
 
@@ -193,7 +195,7 @@ class Feed:
 
     def _publish(self, text: str) -> None:
         self.seq += 1
-        self.events.append(Event(self.seq, text, self.head))
+        self.events.append(Event(self.seq, text.encode(), self.head))
         self._wake()
 
     def _wake(self) -> None:
@@ -254,16 +256,19 @@ async def listen(
     version: int | None,
     keepalive_seconds: float,
     still_valid: Callable[[], Awaitable[bool]],
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     """One listener's events: alone until it reaches the feed's head, then the feed's."""
     at = Position(feed.head.version if version is None else version, after)
     status: dict[str, Any] | None = None  # the last status this listener sent
     seq: int | None = None  # the last feed event it sent; None while it reads alone
+    newer = False  # its version is one it read itself, newer than the feed's so far
     loop = asyncio.get_running_loop()
     sent = loop.time()  # when it last sent anything: a quiet stream gets a keepalive
-    # It wakes at least once a tick (see Feed.run), so a replaced token ends the stream
-    # within a tick.
-    while await still_valid():
+    # It wakes at least once a tick (see Feed.run) and checks its token then, so a replaced
+    # token ends the stream within a tick.
+    if not await still_valid():
+        return
+    while True:
         if feed.failed is not None:
             raise FeedFailed(feed.job_id) from feed.failed
         head = feed.head
@@ -282,39 +287,64 @@ async def listen(
                 sent = loop.time()
                 continue
             await feed.changed()
+            if not await still_valid():
+                return
             if loop.time() - sent > keepalive_seconds:
                 sent = loop.time()
-                yield ": keepalive\n\n"
+                yield KEEPALIVE
         elif at == head or (feed.done and at.version == head.version and at.after > head.after):
             seq = feed.seq  # join
             if status != feed.status:
                 # Its id is this position: an id behind it would make a client that
                 # reconnects with it receive rows it holds again.
-                yield sse("status", feed.status, event_id(at))
+                yield sse("status", feed.status, event_id(at)).encode()
             if feed.done:
-                yield end_event(at, feed.status or {})
+                yield end_event(at, feed.status or {}).encode()
                 return
         elif at.version == head.version and at.after < head.after:
             got = await run_in_threadpool(read, feed.db, feed.job_id, at.after, head.after)
             at, reset = rewind(at, got.version, got.reset_step)
+            newer = got.version > head.version  # the feed will read that version next tick
             if reset is not None:
-                yield reset
+                yield reset.encode()
                 continue
             at, texts = render(at, got)
             if got.status != status:
                 status = got.status
                 texts.append(sse("status", status, event_id(at)))
             if texts:
-                yield "".join(texts)
+                yield "".join(texts).encode()
             if not got.rows and not got.has_more and at.version == head.version:
                 at = Position(at.version, head.after)  # no rows up to the head: a gap
-        elif at.version < head.version:  # a rewrite since what it holds
+        elif at.version != head.version and not (at.version > head.version and newer):
+            # A rewrite since what it holds (or a version the job never had: from the start).
             at, reset = rewind(at, head.version, feed.reset_step)
             if reset is not None:
-                yield reset
+                yield reset.encode()
         # Ahead of the feed (it read alone what the feed has not read yet): wait for it.
         else:
             await feed.changed()
+            if not await still_valid():
+                return
             if loop.time() - sent > keepalive_seconds:
                 sent = loop.time()
-                yield ": keepalive\n\n"
+                yield KEEPALIVE
+
+
+async def stream(
+    feeds: Feeds,
+    job_id: int,
+    after: int,
+    version: int | None,
+    poll_seconds: float,
+    keepalive_seconds: float,
+    still_valid: Callable[[], Awaitable[bool]],
+) -> AsyncGenerator[bytes, None]:
+    """One client's event stream, as the route and the lean path send it."""
+    EVENT_STREAMS.inc()
+    try:
+        async with feeds.joined(job_id, poll_seconds) as feed:
+            async for chunk in listen(feed, after, version, keepalive_seconds, still_valid):
+                yield chunk
+    finally:
+        EVENT_STREAMS.dec()

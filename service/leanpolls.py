@@ -25,21 +25,23 @@ import asyncio
 import re
 import time
 import zlib
-from collections.abc import Callable, Hashable
+from collections.abc import AsyncGenerator, Callable, Hashable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from service.authcache import AuthCache
+from service.authcache import AuthCache, token_still_good
 from service.deps import MAX_ID
 from service.etag import matches
+from service.feeds import Feeds, stream
 from service.metrics import REQUEST_LATENCY
 from service.pages import PageKind, cached_page, polled_page
 from service.pollcache import ListKey, PollCache
+from service.routes import history as history_routes
 from service.routes.export import MAX_ROWS_PER_PAGE, MAX_STEP
-from service.routes.history import MAX_ROWS
+from service.routes.history import LAST_EVENT_ID, MAX_ROWS
 from service.routes.jobs import LIST_LIMIT, job_listing, job_snapshot
 
 T = TypeVar("T")
@@ -50,6 +52,16 @@ HISTORY_PATH = "/v1/jobs/{job_id}/history"
 # The job list's polls it takes: the first page, with the default limit or one of 1..200.
 _LIST_QUERY = re.compile(rb"(?:limit=([1-9][0-9]?|1[0-9][0-9]|200))?")
 _PATH = re.compile(r"/v1/jobs/([1-9][0-9]{0,9})(/history)?")
+EVENTS_PATH = "/v1/jobs/{job_id}/events"
+_EVENTS = re.compile(r"/v1/jobs/([1-9][0-9]{0,9})/events")
+_EVENTS_QUERY = re.compile(rb"(?:after_step=(-1|0|[1-9][0-9]{0,9}))?")
+_LAST_EVENT_ID = re.compile(LAST_EVENT_ID)
+# The route's headers, in its order (StreamingResponse puts the media type last).
+_EVENTS_HEADERS = [
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+]
 # The compression app.py applies to the routes' answers (GZipMiddleware's settings).
 GZIP_MINIMUM_SIZE = 1024
 GZIP_LEVEL = 1
@@ -78,6 +90,62 @@ class LeanPolls:
         status = await self._send(scope, send, *answer[1:])
         REQUEST_LATENCY.labels("GET", answer[0], str(status)).observe(time.perf_counter() - started)
         return True
+
+    async def streamed(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Whether this request was for a job's event stream and has been served. A stream
+        sends every listener the same text each tick; through the routes, each of those
+        sends also went through every middleware, which cost more than the send itself."""
+        if scope["type"] != "http" or scope["method"] != "GET":
+            return False
+        target = await self._stream_target(scope)
+        if target is None:
+            return False
+        started = time.perf_counter()
+        token = _header(scope, b"authorization").partition(" ")[2].strip()
+        client = scope["client"][0] if scope.get("client") else ""
+        cache: AuthCache = self.api.state.auth_cache
+
+        async def still_valid() -> bool:
+            return not self.api.state.auth or await token_still_good(cache, token, client)
+
+        feeds: Feeds = self.api.state.feeds
+        chunks = stream(
+            feeds,
+            *target,
+            history_routes.SSE_POLL_SECONDS,
+            history_routes.SSE_KEEPALIVE_SECONDS,
+            still_valid,
+        )
+        try:
+            await _pump(receive, send, chunks)
+        finally:
+            REQUEST_LATENCY.labels("GET", EVENTS_PATH, "200").observe(time.perf_counter() - started)
+        return True
+
+    async def _stream_target(self, scope: Scope) -> tuple[int, int, int | None] | None:
+        """(job id, after_step, history version) of a stream request the route would serve
+        as is, for a verified token and a job that exists; else None."""
+        found = _EVENTS.fullmatch(scope["path"])
+        query = _EVENTS_QUERY.fullmatch(scope["query_string"])
+        if found is None or query is None or _has_body(scope):
+            return None
+        job_id, after = int(found.group(1)), int(query.group(1) or -1)
+        last_event_id = _header(scope, b"last-event-id")
+        if job_id > MAX_ID or after > MAX_STEP or not _LAST_EVENT_ID.fullmatch(last_event_id):
+            return None
+        if _repeated(scope, b"last-event-id") or not await self._authorized(scope):
+            return None
+        version = None
+        if last_event_id:
+            seen, step = last_event_id.split(":")
+            version, after = int(seen), min(int(step), MAX_STEP)
+        cache: PollCache = self.api.state.poll_cache
+        try:  # the job exists (the route answers a 404 itself)
+            if cache.fresh(job_id) is None:
+                await self._shared(("job", job_id), job_snapshot, self.api.state.db, cache, job_id)
+        except Exception:
+            return None
+        return job_id, after, version
 
     async def _answer(self, scope: Scope) -> tuple[str, bytes, str] | None:
         """(route template, body, ETag) when this is a poll the routes would answer from
@@ -195,9 +263,42 @@ class HalfwayAPI(FastAPI):
     lean: LeanPolls | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.lean is not None and await self.lean.answered(scope, send):
+        if self.lean is not None and (
+            await self.lean.answered(scope, send) or await self.lean.streamed(scope, receive, send)
+        ):
             return
         await super().__call__(scope, receive, send)
+
+
+async def _pump(receive: Receive, send: Send, chunks: AsyncGenerator[bytes, None]) -> None:
+    """Send ``chunks`` as a streamed 200 until they end or the client goes away (the server
+    says so through ``receive``: sending alone would not notice)."""
+
+    async def sending() -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": _EVENTS_HEADERS})
+        async for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    pumping, watching = asyncio.ensure_future(sending()), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (pumping, watching):
+            task.cancel()
+        await asyncio.gather(pumping, watching, return_exceptions=True)
+        await chunks.aclose()
+    failed = None if pumping.cancelled() else pumping.exception()
+    if failed is not None:  # the feed's read failed: the connection is dropped, as the route's
+        raise failed
+
+
+def _repeated(scope: Scope, name: bytes) -> bool:
+    return sum(1 for key, _ in scope["headers"] if key == name) > 1
 
 
 def _has_body(scope: Scope) -> bool:

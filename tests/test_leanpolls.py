@@ -237,3 +237,83 @@ def test_polls_answered_early_are_counted_by_route(pair: Pair) -> None:
     assert _count(after, "/v1/jobs/{job_id}", 304) - _count(before, "/v1/jobs/{job_id}", 304) == 7
     history_route = "/v1/jobs/{job_id}/history"
     assert _count(after, history_route, 200) - _count(before, history_route, 200) == 3
+
+
+# --------------------------------------------------------------------------------------------
+# The event stream: served before the routes too, with the route's headers and bytes.
+
+
+def _streams(p: Pair) -> list[tuple[str, dict[str, str]]]:
+    e = f"/v1/jobs/{p.job_id}/events"
+    return [
+        (e, {}),
+        (f"{e}?after_step=-1", {}),
+        (f"{e}?after_step=40", {}),
+        (f"{e}?after_step={p.last_step + 50}", {}),
+        (e, {"Last-Event-ID": "0:25"}),
+        (f"{e}?after_step=70", {"Last-Event-ID": "0:12"}),
+        (e, {"Last-Event-ID": "3:25"}),  # a version the job never had: from the start
+        (e, {"Last-Event-ID": ""}),
+    ]
+
+
+def _other_streams(p: Pair) -> list[tuple[str, dict[str, str]]]:
+    e = f"/v1/jobs/{p.job_id}/events"
+    return [
+        (f"{e}?after_step=01", {}),
+        (f"{e}?after_step=-2", {}),
+        (f"{e}?after_step=2147483648", {}),
+        (f"{e}?after_step=1&after_step=2", {}),
+        (f"{e}?foo=1", {}),
+        (e, {"Last-Event-ID": "yesterday"}),
+        ("/v1/jobs/99999/events", {}),
+        ("/v1/jobs/0/events", {}),
+    ]
+
+
+def _streamed(client: TestClient, url: str, headers: dict[str, str]) -> tuple[Any, ...]:
+    with client.stream("GET", url, headers=headers) as r:
+        body = r.read()
+        kept = {k: v for k, v in r.headers.items() if k not in IGNORED_HEADERS}
+        return r.status_code, kept, body
+
+
+def test_every_stream_gets_the_routes_headers_and_bytes(
+    pair: Pair, db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.routes import history as history_routes
+
+    monkeypatch.setattr(history_routes, "SSE_POLL_SECONDS", 0.02)
+    with db.write() as s:  # a finished job's streams end, so each can be read whole
+        job = s.get(Job, pair.job_id)
+        assert job is not None
+        job.status = "succeeded"
+    for client in (pair.lean, pair.plain):
+        client.app.state.poll_cache.forget(pair.job_id)  # type: ignore[attr-defined]
+    for url, headers in _streams(pair) + _other_streams(pair):
+        lean = _streamed(pair.lean, url, headers)
+        assert lean == _streamed(pair.plain, url, headers), (url, headers)
+        if (url, headers) in _streams(pair):
+            assert lean[0] == 200 and lean[2].endswith(b"\n\n") and b"event: end" in lean[2]
+
+
+def test_the_lean_path_serves_the_streams_and_leaves_the_rest(pair: Pair, team: Team) -> None:
+    assert pair.lean.get("/v1/jobs").status_code == 200  # alice's token verified
+    lean = LeanPolls(pair.lean.app)  # type: ignore[arg-type]
+
+    def target(url: str, headers: dict[str, str], token: str = team.alice) -> object:
+        scope = _scope(url, token)
+        scope["headers"] += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        return asyncio.run(lean._stream_target(scope))
+
+    for url, headers in _streams(pair):
+        assert target(url, headers) is not None, (url, headers)
+    for url, headers in _other_streams(pair):
+        assert target(url, headers) is None, (url, headers)
+    assert target(*_streams(pair)[0], "hw_not-a-token") is None
+    assert target(*_streams(pair)[0], team.bob) is None
+    repeated = _scope(_streams(pair)[0][0], team.alice)
+    repeated["headers"] += [(b"last-event-id", b"0:1"), (b"last-event-id", b"0:2")]
+    assert asyncio.run(lean._stream_target(repeated)) is None
+    assert target(f"/v1/jobs/{pair.job_id}/events?after_step=40", {}) == (pair.job_id, 40, None)
+    assert target(_streams(pair)[0][0], {"Last-Event-ID": "2:7"}) == (pair.job_id, 7, 2)

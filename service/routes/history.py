@@ -22,8 +22,7 @@ from service.db import Database
 from service.deps import ID_PATTERN, MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
 from service.errors import SpecError
 from service.etag import etag_of, etag_response, respond
-from service.feeds import Feeds, listen
-from service.metrics import EVENT_STREAMS
+from service.feeds import Feeds, stream
 from service.models import ScaleEvent
 from service.pages import bucket_dict, cached_page, page_body, polled_page
 from service.pollcache import PollCache
@@ -303,19 +302,17 @@ def _check_job(db: Database, job_id: int) -> None:
         jobs.get_job(session, job_id)  # 404 before the stream starts
 
 
-async def _events(
-    request: Request, job_id: int, after: int, version: int | None
-) -> AsyncIterator[str]:
+def _events(request: Request, job_id: int, after: int, version: int | None) -> AsyncIterator[bytes]:
     feeds: Feeds = request.app.state.feeds
-    EVENT_STREAMS.inc()
-    try:
-        async with feeds.joined(job_id, SSE_POLL_SECONDS) as feed:
-            async for text in listen(
-                feed, after, version, SSE_KEEPALIVE_SECONDS, lambda: still_valid(request)
-            ):
-                yield text
-    finally:
-        EVENT_STREAMS.dec()
+    return stream(
+        feeds,
+        job_id,
+        after,
+        version,
+        SSE_POLL_SECONDS,
+        SSE_KEEPALIVE_SECONDS,
+        lambda: still_valid(request),
+    )
 
 
 @router.get(
