@@ -52,6 +52,7 @@ class Stats:
     latencies: dict[str, list[float]] = field(default_factory=dict)
     errors: int = 0
     requests: int = 0
+    events: int = 0  # received by the listeners (--listen)
 
     def add(self, kind: str, seconds: float) -> None:
         self.latencies.setdefault(kind, []).append(seconds)
@@ -208,7 +209,8 @@ async def poller(
 
 
 WRK_SCRIPT = """
--- Each connection is a dashboard: it reads the job, then its new history rows, then waits.
+-- Each connection is a dashboard: it reads the job, then its new history rows (and the job
+-- list), then waits; with --listen it only reads the list, its stream being elsewhere.
 -- wrk keeps one Lua state per thread, so the connections share the cursor and the ETag: each
 -- poll asks for the rows after the newest cursor any of them has seen.
 local job_path = "/v1/jobs/%(job)d"
@@ -219,22 +221,22 @@ local turn = 0
 local errors = 0
 local etag = ""
 local list_etag = ""
-local list_limit = %(list_limit)d  -- 0: no job list polls
-local kinds = list_limit > 0 and 3 or 2
+local list_limit = %(list_limit)d
+local plan = {%(plan)s}  -- what each connection asks for, in turn, once per period
 local threads = {}
 
 function setup(thread) table.insert(threads, thread) end
 
 function request()
   turn = turn + 1
-  local kind = turn %% kinds
+  local kind = plan[turn %% #plan + 1]
   -- The list is asked for in gzip, as a browser asks; the job and the history pages plain,
   -- so that a response tells which it answers and the cursor can be read.
-  if kind == 1 then
+  if kind == "job" then
     local headers = {["Authorization"] = token}
     if etag ~= "" then headers["If-None-Match"] = etag end
     return wrk.format("GET", job_path, headers)
-  elseif kind == 2 then
+  elseif kind == "list" then
     local headers = {["Authorization"] = token, ["Accept-Encoding"] = "gzip"}
     if list_etag ~= "" then headers["If-None-Match"] = list_etag end
     return wrk.format("GET", "/v1/jobs?limit=" .. list_limit, headers)
@@ -244,8 +246,8 @@ function request()
 end
 
 function delay()
-  -- two (or three) requests per poll, spread over the period
-  return period_ms / kinds
+  -- the plan's requests spread over the period
+  return period_ms / #plan
 end
 
 function response(status, headers, body)
@@ -274,24 +276,32 @@ end
 """
 
 
+def lowered(args: argparse.Namespace) -> list[str]:
+    """The command prefix that runs a load generator below the server and the training."""
+    if args.generator_nice == "idle":  # only CPU time nothing else wants (Linux SCHED_IDLE)
+        return ["chrt", "--idle", "0"]
+    return ["nice", "-n", str(int(args.generator_nice))]
+
+
 def run_wrk(base: str, token: str, job_id: int, args: argparse.Namespace) -> dict[str, float]:
+    if args.listen:  # the job and its rows come through the streams: only the list is polled
+        plan, period = ["list"], args.list_period
+    else:
+        plan, period = ["job", "history", *(["list"] if args.jobs else [])], args.period
     script = Path(tempfile.mkdtemp()) / "poll.lua"
     script.write_text(
         WRK_SCRIPT
         % {
             "job": job_id,
             "token": token,
-            "period_ms": int(args.period * 1000),
-            "list_limit": LIST_LIMIT if args.jobs else 0,
+            "period_ms": int(period * 1000),
+            "list_limit": LIST_LIMIT,
+            "plan": ", ".join(f'"{kind}"' for kind in plan),
         }
     )
-    if args.generator_nice == "idle":  # only CPU time nothing else wants (Linux SCHED_IDLE)
-        lowered = ["chrt", "--idle", "0"]
-    else:
-        lowered = ["nice", "-n", str(int(args.generator_nice))]
     out = subprocess.run(
         [
-            *lowered,
+            *lowered(args),
             "wrk",
             "-t1",
             f"-c{args.pollers}",
@@ -306,7 +316,11 @@ def run_wrk(base: str, token: str, job_id: int, args: argparse.Namespace) -> dic
         text=True,
         check=True,
     ).stdout
-    line = next(x for x in out.splitlines() if x.startswith("WRK "))
+    return figures_line(out, "WRK ")
+
+
+def figures_line(out: str, prefix: str) -> dict[str, float]:
+    line = next(x for x in out.splitlines() if x.startswith(prefix))
     return {k: float(v) for k, v in (item.split("=") for item in line.split()[1:])}
 
 
@@ -356,6 +370,7 @@ class Run:
     loaded_db: float
     generator_cpu: float
     requests: int
+    events: int
     errors: int
     latency: dict[str, tuple[float, float]]  # kind -> (p50, p99) in ms
 
@@ -443,6 +458,60 @@ async def loaded_window(
     return loaded, server_share, db_share, generator_share, stats, latency
 
 
+async def listening_window(
+    args: argparse.Namespace,
+    progress: Progress,
+    base: str,
+    token: str,
+    job_id: int,
+    server_pid: int,
+) -> tuple[float, float, float, float, Stats, dict[str, tuple[float, float]]]:
+    """As ``loaded_window``, for dashboards that listen (listeners.py). The window starts
+    once every stream is open and answering: opening is a dashboard's one-off cost."""
+    script = Path(__file__).with_name("listeners.py")
+    command = [sys.executable, str(script), "--base", base, "--token", token]
+    command += ["--job", str(job_id), "--count", str(args.pollers), "--seconds", str(args.seconds)]
+    child = await asyncio.create_subprocess_exec(
+        *lowered(args), *command, stdout=asyncio.subprocess.PIPE
+    )
+    assert child.stdout is not None
+    if (await child.stdout.readline()).strip() != b"READY":
+        sys.exit("the listeners did not start")
+    stats = Stats()
+    latency: dict[str, tuple[float, float]] = {}
+    server_cpu, db_cpu = cpu_seconds(server_pid), database_seconds(progress)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    polls = (
+        asyncio.create_task(asyncio.to_thread(run_wrk, base, token, job_id, args))
+        if args.jobs
+        else None
+    )
+    loaded = await measure_training(progress, job_id, args.seconds)
+    heard = figures_line((await child.stdout.read()).decode(), "LISTEN ")
+    await child.wait()
+    stats.events, stats.errors = int(heard["events"]), int(heard["errors"])
+    latency["fan-out spread"] = (heard["p50"], heard["p99"])
+    if polls is not None:
+        figures = await polls
+        stats.requests = int(figures["requests"])
+        stats.errors += int(figures["errors"] + figures["socket_errors"])
+        latency["list"] = (figures["p50"], figures["p99"])
+    # The children reaped since: wrk and the listeners (their whole life, opening included,
+    # which is left out: only their CPU since READY counts).
+    reaped = generator_seconds(children, time.process_time())
+    generator_cpu = reaped - heard["lifetime_cpu"] + heard["cpu"]
+    elapsed = time.perf_counter() - started
+    return (
+        loaded,
+        (cpu_seconds(server_pid) - server_cpu) / elapsed,
+        (database_seconds(progress) - db_cpu) / elapsed,
+        generator_cpu / elapsed,
+        stats,
+        latency,
+    )
+
+
 def spread(values: list[float], fmt: str) -> str:
     shown = ", ".join(format(v, fmt) for v in values)
     if len(values) < 2:
@@ -468,8 +537,10 @@ async def run(
             progress, job_id, args.baseline, server_pid
         )
         for _ in range(args.runs):
-            loaded, loaded_cpu, loaded_db, generator_cpu, stats, latency = await loaded_window(
-                args, progress, base, token, job_id, server_pid, use_wrk
+            loaded, loaded_cpu, loaded_db, generator_cpu, stats, latency = await (
+                listening_window(args, progress, base, token, job_id, server_pid)
+                if args.listen
+                else loaded_window(args, progress, base, token, job_id, server_pid, use_wrk)
             )
             after, after_cpu, after_db = await quiet_window(
                 progress, job_id, args.baseline, server_pid
@@ -485,6 +556,7 @@ async def run(
                     loaded_db,
                     generator_cpu,
                     stats.requests,
+                    stats.events,
                     stats.errors,
                     latency,
                 )
@@ -498,20 +570,32 @@ async def run(
         f"{os.environ.get('HALFWAY_API_NICE', '10 (default)')}; "
         f"wrk's nice: {args.generator_nice if use_wrk else '-'}"
     )
+    if args.listen:
+        listing = f" and reading the job list ({args.jobs + 1} jobs, wrk) every "
+        listing += f"{args.list_period:g} s"
+        dashboards = (
+            f"dashboards: {args.pollers}, each listening to the job's event stream"
+            f"{listing if args.jobs else ''}; "
+        )
+    else:
+        dashboards = (
+            f"pollers: {args.pollers} ({'wrk' if use_wrk else 'python'}), one job read "
+            f"(If-None-Match) + one after_step read"
+            f"{f' + one job list read ({args.jobs + 1} jobs)' if args.jobs else ''}"
+            f" every {args.period:g} s each; "
+        )
     print(
-        f"pollers: {args.pollers} ({'wrk' if use_wrk else 'python'}), one job read "
-        f"(If-None-Match) + one after_step read"
-        f"{f' + one job list read ({args.jobs + 1} jobs)' if args.jobs else ''}"
-        f" every {args.period:g} s each; "
-        f"{args.runs} loaded windows of {args.seconds:g} s, each between quiet windows of "
-        f"{args.baseline:g} s; {os.cpu_count()} cores"
+        f"{dashboards}{args.runs} loaded windows of {args.seconds:g} s, each between quiet "
+        f"windows of {args.baseline:g} s; {os.cpu_count()} cores"
     )
     for i, r in enumerate(runs, 1):
         latencies = "  ".join(
             f"{kind} p50 {p50:.1f} ms p99 {p99:.1f} ms" for kind, (p50, p99) in r.latency.items()
         )
+        heard = f"{r.events / args.seconds:.0f} events/s, " if args.listen else ""
         print(
-            f"run {i}: {r.requests / args.seconds:.0f} requests/s, {r.errors} errors, {latencies}"
+            f"run {i}: {heard}{r.requests / args.seconds:.0f} requests/s, {r.errors} errors, "
+            f"{latencies}"
         )
         print(
             f"  training steps/s: before {r.before:.1f}, under load {r.loaded:.1f}, "
@@ -552,6 +636,19 @@ def main() -> None:
         "on each refresh; 0: only the job and its history, the issue's two polls.",
     )
     parser.add_argument("--python", action="store_true", help="Python pollers even with wrk.")
+    parser.add_argument(
+        "--listen",
+        action="store_true",
+        help="Dashboards as the dashboard now is: each listens to the job's event stream "
+        "(listeners.py) instead of polling the job and its rows; with --jobs N each also "
+        "reads the job list every --list-period.",
+    )
+    parser.add_argument(
+        "--list-period",
+        type=float,
+        default=2.0,
+        help="With --listen --jobs: seconds between a dashboard's list reads (app.js poll_ms).",
+    )
     parser.add_argument(
         "--generator-nice",
         default="idle",
