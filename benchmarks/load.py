@@ -10,8 +10,13 @@ on a 2-core machine the load generator shares the CPU with the server and the tr
 a Python generator of 200 pollers costs more CPU than the server's answers to it; without wrk
 they run as Python asyncio tasks (``--python`` forces that).
 
+With ``--listen`` the dashboards are as the dashboard now is: each listens to the job's
+event stream (``listeners.py``) instead of polling the job and its rows, and the windows
+start once every stream is open and answering.
+
     .venv/bin/python benchmarks/load.py                      # SQLite, 200 pollers, 60 s
     .venv/bin/python benchmarks/load.py --database-url postgresql://root@127.0.0.1:5432/test
+    .venv/bin/python benchmarks/load.py --listen --jobs 99   # 200 listening dashboards
 
 The database named by --database-url is wiped (its tables dropped and recreated).
 """
