@@ -286,12 +286,6 @@ async def listen(
             if events:
                 sent = loop.time()
                 continue
-            await feed.changed()
-            if not await still_valid():
-                return
-            if loop.time() - sent > keepalive_seconds:
-                sent = loop.time()
-                yield KEEPALIVE
         elif at == head or (feed.done and at.version == head.version and at.after > head.after):
             seq = feed.seq  # join
             if status != feed.status:
@@ -301,6 +295,7 @@ async def listen(
             if feed.done:
                 yield end_event(at, feed.status or {}).encode()
                 return
+            continue
         elif at.version == head.version and at.after < head.after:
             got = await run_in_threadpool(read, feed.db, feed.job_id, at.after, head.after)
             at, reset = rewind(at, got.version, got.reset_step)
@@ -316,19 +311,21 @@ async def listen(
                 yield "".join(texts).encode()
             if not got.rows and not got.has_more and at.version == head.version:
                 at = Position(at.version, head.after)  # no rows up to the head: a gap
+            continue
         elif at.version != head.version and not (at.version > head.version and newer):
             # A rewrite since what it holds (or a version the job never had: from the start).
             at, reset = rewind(at, head.version, feed.reset_step)
             if reset is not None:
                 yield reset.encode()
-        # Ahead of the feed (it read alone what the feed has not read yet): wait for it.
-        else:
-            await feed.changed()
-            if not await still_valid():
-                return
-            if loop.time() - sent > keepalive_seconds:
-                sent = loop.time()
-                yield KEEPALIVE
+            continue
+        # Nothing new on the feed, or ahead of it (this listener read alone what the feed
+        # has not read yet): wait for the feed's next tick.
+        await feed.changed()
+        if not await still_valid():
+            return
+        if loop.time() - sent > keepalive_seconds:
+            sent = loop.time()
+            yield KEEPALIVE
 
 
 async def stream(

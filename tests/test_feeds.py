@@ -22,7 +22,7 @@ from service.models import Job
 from tests.conftest import Api
 from tests.live import Live
 from tests.test_history_queries import submit, synthetic_history, write
-from tests.test_history_version import Stream, last_step_sent, rewrite, stored
+from tests.test_history_version import Stream, apply, last_step_sent, rewrite, stored
 from tests.waiting import eventually
 
 POLL = 0.05
@@ -107,7 +107,7 @@ def test_listeners_starting_anywhere_each_get_every_row_once_a_reset_and_the_end
         assert [n for n, _, _ in stream.events].count("end") == 1
         if after < 140:
             held = {s: loss for s, loss in losses(first).items() if s <= after}
-            assert apply_onto(held, stream.events) == now, after
+            assert apply(stream.events, held) == now, after
         else:  # it held "everything" to 300: it gets the rewrite, from the cut on
             sent = [r["step"] for n, _, d in stream.events if n == "steps" for r in d["items"]]
             assert sent == list(range(100, 170))
@@ -119,15 +119,6 @@ def test_listeners_starting_anywhere_each_get_every_row_once_a_reset_and_the_end
 def losses(records: list[StepRecord]) -> dict[int, float | None]:
     """Rows as ``stored`` gives them: non-finite losses as null."""
     return {r.step: (r.loss if math.isfinite(r.loss) else None) for r in records}
-
-
-def apply_onto(held: dict[int, Any], events: list[tuple[str, str | None, Any]]) -> dict[int, Any]:
-    for name, _, data in events:
-        if name == "reset":
-            held = {s: r for s, r in held.items() if s < data["from_step"]}
-        elif name == "steps":
-            held |= {r["step"]: r["loss"] for r in data["items"]}
-    return held
 
 
 def test_many_listeners_at_the_head_share_one_read_per_tick(
@@ -170,7 +161,7 @@ def test_many_listeners_at_the_head_share_one_read_per_tick(
     assert reads <= 2 * ticks, (reads, ticks)
     now = stored(db, job_id)
     for stream in streams:
-        assert apply_onto(losses(synthetic_history(10, seed=21)), stream.events) == now
+        assert apply(stream.events, losses(synthetic_history(10, seed=21))) == now
         assert in_order_between_resets(stream.events)
 
 
@@ -205,7 +196,7 @@ def test_a_listener_that_falls_behind_what_the_feed_keeps_reads_alone_and_misses
     events = asyncio.run(scenario())
     assert events[-1][0] == "end"
     assert in_order_between_resets(events)
-    assert apply_onto({}, events) == stored(db, job_id)
+    assert apply(events) == stored(db, job_id)
     assert len(stored(db, job_id)) == 5 + 3 * (KEPT_EVENTS + 10)
 
 

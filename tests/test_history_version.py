@@ -161,9 +161,12 @@ class Stream:
         self._client.close()
 
 
-def apply(events: list[tuple[str, str | None, Any]]) -> dict[int, Any]:
-    """What a client holds after the events: rows by step, a reset dropping from its step."""
-    held: dict[int, Any] = {}
+def apply(
+    events: list[tuple[str, str | None, Any]], held: dict[int, Any] | None = None
+) -> dict[int, Any]:
+    """What a client holds after the events, from ``held`` (nothing): rows by step, a reset
+    dropping from its step."""
+    held = dict(held or {})
     for name, _, data in events:
         if name == "reset":
             held = {s: r for s, r in held.items() if s < data["from_step"]}
