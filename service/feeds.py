@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from fastapi.concurrency import run_in_threadpool
 
-from service import history, jobs
+from service import columnar, history, jobs
 from service.db import Database
 from service.metrics import EVENT_STREAMS
 from service.models import FINISHED_STATUSES, Job
@@ -145,7 +145,7 @@ class Feed:
     async def run(self, on_end: Callable[[Feed], None]) -> None:
         try:
             # The head starts at the job's last step; a listener behind it reads up to it.
-            got = await run_in_threadpool(read, self.db, self.job_id, 2**31 - 1)
+            got = await run_in_threadpool(read, self.db, self.job_id, columnar.MAX_STEP)
             self.head = Position(got.version, got.last_step)
             self.reset_step = got.reset_step
             self.status = got.status
@@ -292,6 +292,7 @@ async def listen(
                 # Its id is this position: an id behind it would make a client that
                 # reconnects with it receive rows it holds again.
                 yield sse("status", feed.status, event_id(at)).encode()
+                sent = loop.time()
             if feed.done:
                 yield end_event(at, feed.status or {}).encode()
                 return
@@ -302,6 +303,7 @@ async def listen(
             newer = got.version > head.version  # the feed will read that version next tick
             if reset is not None:
                 yield reset.encode()
+                sent = loop.time()
                 continue
             at, texts = render(at, got)
             if got.status != status:
@@ -309,6 +311,7 @@ async def listen(
                 texts.append(sse("status", status, event_id(at)))
             if texts:
                 yield "".join(texts).encode()
+                sent = loop.time()
             if not got.rows and not got.has_more and at.version == head.version:
                 at = Position(at.version, head.after)  # no rows up to the head: a gap
             continue
@@ -317,6 +320,7 @@ async def listen(
             at, reset = rewind(at, head.version, feed.reset_step)
             if reset is not None:
                 yield reset.encode()
+                sent = loop.time()
             continue
         # Nothing new on the feed, or ahead of it (this listener read alone what the feed
         # has not read yet): wait for the feed's next tick.

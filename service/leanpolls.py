@@ -41,7 +41,7 @@ from service.pages import PageKind, cached_page, polled_page
 from service.pollcache import ListKey, PollCache
 from service.routes import history as history_routes
 from service.routes.export import MAX_ROWS_PER_PAGE, MAX_STEP
-from service.routes.history import LAST_EVENT_ID, MAX_ROWS
+from service.routes.history import LAST_EVENT_ID, MAX_ROWS, resume_point
 from service.routes.jobs import LIST_LIMIT, job_listing, job_snapshot
 
 T = TypeVar("T")
@@ -136,9 +136,9 @@ class LeanPolls:
         if _repeated(scope, b"last-event-id") or not await self._authorized(scope):
             return None
         version = None
-        if last_event_id:
-            seen, step = last_event_id.split(":")
-            version, after = int(seen), min(int(step), MAX_STEP)
+        resumed = resume_point(last_event_id)
+        if resumed is not None:
+            version, after = resumed
         cache: PollCache = self.api.state.poll_cache
         try:  # the job exists (the route answers a 404 itself)
             if cache.fresh(job_id) is None:

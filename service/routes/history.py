@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import history, jobs, rollups
+from service import columnar, history, jobs, rollups
 from service.authcache import still_valid
 from service.db import Database
 from service.deps import ID_PATTERN, MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
@@ -41,7 +41,7 @@ from service.routes import export
 
 router = APIRouter(tags=["history"])
 
-MAX_STEP = 2**31 - 1
+MAX_STEP = columnar.MAX_STEP
 MAX_POINTS = 5000
 MAX_ROWS = 10_000
 ERRORS = error_responses(401, 404, 422)
@@ -255,6 +255,15 @@ def _csv_rows(db: Database, job_id: int) -> Iterator[str]:
 LAST_EVENT_ID = r"^([0-9]{1,10}:(-1|[0-9]{1,10}))?$"
 
 
+def resume_point(last_event_id: str) -> tuple[int, int] | None:
+    """(history version, last step sent) of a ``Last-Event-ID`` that matched
+    ``LAST_EVENT_ID``; None for an empty one."""
+    if not last_event_id:
+        return None
+    seen, step = last_event_id.split(":")
+    return int(seen), min(int(step), MAX_STEP)
+
+
 @router.get(
     "/v1/jobs/{job_id}/events",
     response_class=StreamingResponse,
@@ -287,9 +296,9 @@ async def stream_events(
     # whole life, and a pool's worth of listeners would leave none for anyone else.
     await run_in_threadpool(_check_job, db, job_id)
     version = None
-    if last_event_id:
-        seen, step = last_event_id.split(":")
-        version, after_step = int(seen), min(int(step), MAX_STEP)
+    resumed = resume_point(last_event_id)
+    if resumed is not None:
+        version, after_step = resumed
     return StreamingResponse(
         _events(request, job_id, after_step, version),
         media_type="text/event-stream",
