@@ -530,11 +530,12 @@ async def run(
     headers = {"Authorization": f"Bearer {token}"}
     use_wrk = shutil.which("wrk") is not None and not args.python
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=30) as client:
-        job_id = (await client.post("/v1/jobs", json=JOB)).json()["id"]
+        job = {**JOB, "precision": {"policy": args.policy}}
+        job_id = (await client.post("/v1/jobs", json=job)).json()["id"]
         while (await asyncio.to_thread(progress.read, job_id))[0] < 500:
             await asyncio.sleep(0.5)
         for _ in range(args.jobs):  # the list's other rows: jobs cancelled while queued
-            other = (await client.post("/v1/jobs", json=JOB)).json()["id"]
+            other = (await client.post("/v1/jobs", json=job)).json()["id"]
             assert (await client.post(f"/v1/jobs/{other}/cancel")).status_code == 202
         await asyncio.sleep(args.warmup)
         runs: list[Run] = []
@@ -569,7 +570,7 @@ async def run(
             before, before_cpu, before_db = after, after_cpu, after_db
         await client.post(f"/v1/jobs/{job_id}/cancel")
 
-    print(f"database: {args.database_url or 'sqlite (temporary file)'}")
+    print(f"database: {args.database_url or 'sqlite (temporary file)'}; training: {args.policy}")
     print(
         f"lean poll path: {'off' if args.no_lean else 'on'}; the API's nice: "
         f"{os.environ.get('HALFWAY_API_NICE', '10 (default)')}; "
@@ -627,6 +628,13 @@ def main() -> None:
     )
     parser.add_argument("--database-url", default=None)
     parser.add_argument("--pollers", type=int, default=200)
+    parser.add_argument(
+        "--policy",
+        default="float32",
+        help="The training job's precision policy. float32 by default: on a CPU with float16 "
+        "instructions TensorFlow's float16 kernels ran this model many times slower, "
+        "and a job that writes a few steps a second leaves the polls nothing to follow.",
+    )
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--baseline", type=float, default=30)
     parser.add_argument("--warmup", type=float, default=5)
