@@ -84,27 +84,6 @@ def find_by_idempotency_key(session: Session, owner: str, key: str) -> Job | Non
     ).one_or_none()
 
 
-def list_jobs(
-    session: Session,
-    *,
-    status: str | None = None,
-    owner: str | None = None,
-    before_id: int | None = None,
-    limit: int = 50,
-) -> tuple[list[Job], int | None]:
-    """Newest first; the cursor is the last id of the page (ids only grow)."""
-    query = select(Job).order_by(Job.id.desc()).limit(limit + 1)
-    if status is not None:
-        query = query.where(Job.status == status)
-    if owner is not None:
-        query = query.where(Job.owner == owner)
-    if before_id is not None:
-        query = query.where(Job.id < before_id)
-    rows = list(session.scalars(query))
-    next_cursor = rows[limit - 1].id if len(rows) > limit else None
-    return rows[:limit], next_cursor
-
-
 def request_cancel(session: Session, job_id: int, now: datetime) -> Job:
     """Cancel a queued job at once; ask a running one's worker to stop it."""
     done = session.execute(

@@ -6,7 +6,8 @@ writes the history. A snapshot is reused for ``ttl`` seconds: polls within that 
 a dictionary lookup; a poll already at the snapshot's last step gets its empty page without
 touching the database; and new rows are served only up to the snapshot's last step, so the
 pollers' cursors meet on the same steps and one query answers all of them (``Page``).
-The job list's pages are kept the same way (``Listing``). Staleness is bounded by ``ttl``
+The job list's pages are kept the same way (``Listing``); a job's part of a listing is
+encoded again only when its row has changed (``item``). Staleness is bounded by ``ttl``
 (0.5 s by default); changes made through this API process (a submission, a sweep, a cancel,
 a priority) drop the snapshot and the listings at once, and a load that was already reading
 the job when they did is not stored (``forget`` moves the generation on): the next poll reads again.
@@ -74,6 +75,7 @@ class PollCache:
         self._items: dict[int, Snapshot] = {}
         self._pages: dict[tuple[str, int, int, int], Page] = {}
         self._lists: dict[ListKey, Listing] = {}
+        self._list_items: dict[int, tuple[bytes, bytes]] = {}  # job id: (its row, its JSON)
         self._lock = threading.Lock()
         self._flights: dict[object, threading.Lock] = {}
         # Moved on by every forget. A load that began under an older generation may have read
@@ -172,6 +174,18 @@ class PollCache:
             listing = Listing(body, etag_of(body), time.monotonic())
             self._keep(self._lists, key, listing, generation)
             return listing
+
+    def item(self, job_id: int, row: bytes, encode: Callable[[], bytes]) -> bytes:
+        """A job's JSON in a listing: the one encoded from the same ``row`` (the text of every
+        column it is made from), else ``encode()``. When the list's cache age runs out, only
+        the jobs that changed since (a running one) cost an encoding; no ``forget`` is needed,
+        since the row itself is the key."""
+        kept = self._list_items.get(job_id)
+        if kept is not None and kept[0] == row:
+            return kept[1]
+        body = encode()
+        self._keep(self._list_items, job_id, (row, body))
+        return body
 
     def fresh_listing(self, key: ListKey) -> Listing | None:
         return self._young(self._lists.get(key))

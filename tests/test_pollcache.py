@@ -13,16 +13,21 @@ import httpx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
+from sqlalchemy import select, update
 
 from service import jobs
 from service.app import create_app
 from service.db import Database
-from service.pollcache import PollCache, Snapshot
-from service.responses import JobOut
-from service.routes.jobs import job_out
+from service.etag import serialize
+from service.models import Job
+from service.pollcache import ListKey, PollCache, Snapshot
+from service.responses import JobOut, JobPage
+from service.routes import jobs as routes_jobs
+from service.routes.jobs import job_listing, job_out
 from service.settings import Settings
 from tests.conftest import Api, Team
 from tests.live import free_port
+from tests.test_claims import make_jobs
 
 
 def _submit(api: Api) -> int:
@@ -224,3 +229,70 @@ def test_the_job_list_is_cached_and_a_change_through_the_api_is_seen_at_once(
             assert mine["cancel_requested"] or mine["status"] == "cancelled"
         if change == "priority":
             assert mine["priority"] == 7
+
+
+def _whole_page(db: Database, limit: int) -> bytes:
+    """The list page encoded whole from the database, as the route did before items were kept."""
+    with db.read() as session:
+        rows = list(session.scalars(select(Job).order_by(Job.id.desc()).limit(limit + 1)))
+        next_id = rows[limit - 1].id if len(rows) > limit else None
+        rows = rows[:limit]
+        page = JobPage(
+            items=[job_out(j) for j in rows], next_cursor=str(next_id) if next_id else None
+        )
+        return serialize(page)
+
+
+# Changes behind the API's back (a worker's flush, another API process), each one that `==`
+# on the decoded values would miss but JSON shows: the listing must show every one.
+_CHANGES: list[tuple[str, object, object]] = [
+    ("last_step", None, 41),
+    ("loss_scale", 1024.0, 512.0),
+    ("metrics", {"loss": 0.0}, {"loss": -0.0}),  # equal as floats, "0.0" vs "-0.0" in JSON
+    ("metrics", {"accuracy": 1}, {"accuracy": 1.0}),  # equal in Python, "1" vs "1.0"
+    ("metrics", {"a": 1, "b": 2}, {"b": 2, "a": 1}),  # equal dicts, keys in another order
+    ("warnings", ["w"], ["w", "w2"]),
+    ("device", {}, {"kind": "cpu", "name": "x"}),
+]
+
+
+@pytest.mark.parametrize(("column", "before", "after"), _CHANGES)
+def test_a_listing_of_kept_items_is_the_page_encoded_whole_after_any_change(
+    db: Database, column: str, before: object, after: object
+) -> None:
+    """A job's item in the list is kept by the text of its row: after a change of any column,
+    in any way the JSON shows, the next listing equals the page encoded whole, byte for
+    byte; and only the changed job is encoded again."""
+    ids = make_jobs(db, 5)
+    cache = PollCache(ttl=60)
+    key: ListKey = (None, None, None, 100)
+    changed = ids[2]
+    with db.write() as session:
+        session.execute(update(Job).where(Job.id == changed).values({column: before}))
+    first = job_listing(db, cache, key)
+    assert first.body == _whole_page(db, 100)
+    with db.write() as session:
+        session.execute(update(Job).where(Job.id == changed).values({column: after}))
+    encoded: list[int] = []
+    original = routes_jobs.job_out
+
+    def counting(job: Job) -> JobOut:
+        encoded.append(job.id)
+        return original(job)
+
+    cache.forget()  # the listing goes, the items stay
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(routes_jobs, "job_out", counting)
+        second = job_listing(db, cache, key)
+    assert second.body == _whole_page(db, 100)
+    assert second.body != first.body
+    assert encoded == [changed]
+
+
+def test_a_page_of_kept_items_is_serialize_of_the_page_with_or_without_a_cursor(
+    db: Database,
+) -> None:
+    make_jobs(db, 3)
+    cache = PollCache(ttl=60)
+    for limit in (1, 2, 3, 10):
+        assert job_listing(db, cache, (None, None, None, limit)).body == _whole_page(db, limit)

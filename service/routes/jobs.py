@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Literal
+import json
+from functools import partial
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import Field
+from sqlalchemy import Row
 from sqlalchemy.exc import IntegrityError
 
-from service import grants, jobs, normalization
+from service import grants, joblist, jobs, normalization
 from service.auth import require_owner_or_admin
 from service.db import Database
 from service.deps import (
@@ -205,13 +208,25 @@ def job_listing(db: Database, cache: PollCache, key: ListKey) -> Listing:
 
     def load() -> bytes:
         with db.read() as session:
-            rows, next_id = jobs.list_jobs(
+            rows, next_id = joblist.list_rows(
                 session, status=status, owner=owner, before_id=before_id, limit=limit
             )
-            items = [job_out(j) for j in rows]
-        return serialize(JobPage(items=items, next_cursor=str(next_id) if next_id else None))
+        items = [
+            cache.item(row.id, joblist.fingerprint(row), partial(_encoded, row)) for row in rows
+        ]
+        return page_text(items, str(next_id) if next_id else None)
 
     return cache.listing(key, load)
+
+
+def _encoded(row: Row[Any]) -> bytes:
+    return serialize(job_out(joblist.job_of(row)))
+
+
+def page_text(items: list[bytes], next_cursor: str | None) -> bytes:
+    """``serialize(JobPage(...))`` of items already encoded, byte for byte."""
+    tail = json.dumps(next_cursor).encode()
+    return b'{"items":[' + b",".join(items) + b'],"next_cursor":' + tail + b"}"
 
 
 @router.get(
