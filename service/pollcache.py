@@ -73,7 +73,9 @@ class PollCache:
         self.ttl = ttl
         self.size = size
         self._items: dict[int, Snapshot] = {}
-        self._pages: dict[tuple[str, int, int, int], Page] = {}
+        # (kind, job id, ...): a row or column page by (after_step, limit); a bucket page
+        # by (points, from_step, to_step).
+        self._pages: dict[tuple[str, int, int | None, int | None, int | None], Page] = {}
         self._lists: dict[ListKey, Listing] = {}
         self._list_items: dict[int, tuple[bytes, bytes]] = {}  # job id: (its row, its JSON)
         self._lock = threading.Lock()
@@ -143,7 +145,11 @@ class PollCache:
         self, job_id: int, after_step: int, limit: int, snap: Snapshot, *, kind: str = "rows"
     ) -> Page | None:
         """``kind``: the page's format (rows, columns), since each has its own body."""
-        page = self._pages.get((kind, job_id, after_step, limit))
+        return self._of(self._pages.get((kind, job_id, after_step, limit, None)), snap)
+
+    @staticmethod
+    def _of(page: Page | None, snap: Snapshot) -> Page | None:
+        """``page`` if it was read under ``snap``, the job's snapshot now."""
         return page if page is not None and page.taken == snap.taken else None
 
     def store_page(
@@ -157,7 +163,30 @@ class PollCache:
         kind: str = "rows",
     ) -> Page:
         page = Page(body, etag_of(body, snap.history_version), snap.taken)
-        self._keep(self._pages, (kind, job_id, after_step, limit), page)
+        self._keep(self._pages, (kind, job_id, after_step, limit, None), page)
+        return page
+
+    def buckets(
+        self, job_id: int, points: int, lo: int | None, hi: int | None, snap: Snapshot
+    ) -> Page | None:
+        """A bucket page (``points``, ``from_step``, ``to_step``) read under ``snap``: every
+        dashboard drawing a long run reads the same one again once the run has moved."""
+        return self._of(self._pages.get(("buckets", job_id, points, lo, hi)), snap)
+
+    def store_buckets(
+        self,
+        job_id: int,
+        points: int,
+        lo: int | None,
+        hi: int | None,
+        snap: Snapshot,
+        body: bytes,
+        history_version: int,
+    ) -> Page:
+        """Keep a bucket page read after ``snap`` was taken (``history_version``: the one the
+        page's own read of the job found)."""
+        page = Page(body, etag_of(body, history_version), snap.taken)
+        self._keep(self._pages, ("buckets", job_id, points, lo, hi), page)
         return page
 
     def listing(self, key: ListKey, load: Callable[[], bytes]) -> Listing:

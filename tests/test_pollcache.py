@@ -13,7 +13,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
 
 from service import jobs
 from service.app import create_app
@@ -28,6 +28,7 @@ from service.settings import Settings
 from tests.conftest import Api, Team
 from tests.live import free_port
 from tests.test_claims import make_jobs
+from tests.test_history_queries import check_buckets, synthetic_history, write
 
 
 def _submit(api: Api) -> int:
@@ -296,3 +297,44 @@ def test_a_page_of_kept_items_is_serialize_of_the_page_with_or_without_a_cursor(
     cache = PollCache(ttl=60)
     for limit in (1, 2, 3, 10):
         assert job_listing(db, cache, (None, None, None, limit)).body == _whole_page(db, limit)
+
+
+def test_a_bucket_page_is_read_once_per_snapshot_and_anew_after_it(
+    settings: Settings, db: Database, team: Team
+) -> None:
+    """Every dashboard drawing a long run reads the same buckets again as the run moves:
+    within the job's snapshot they are read from the database once (and a zoom or another
+    width is a page of its own); the next snapshot reads them again, rows written since
+    included, and every page equals the buckets computed over the rows by brute force."""
+    settings.poll_cache_seconds = 60  # the snapshot ages only when the test says so
+    records = synthetic_history(6000, seed=3)
+    with TestClient(create_app(settings, db, auth=True)) as client:
+        api = Api(client, team.alice)
+        job_id = _submit(api)
+        write(db, job_id, records[:4000])
+        cache: PollCache = client.app.state.poll_cache  # type: ignore[attr-defined]
+        queries: list[str] = []
+
+        def seen(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+            if "FROM step" in statement:  # the history's tables (step, step_rollup)
+                queries.append(statement)
+
+        event.listen(db.engine, "before_cursor_execute", seen)
+        try:
+            first = check_buckets(api, job_id, records[:4000], 50)
+            assert any("step_rollup" in q for q in queries)
+            after_first = len(queries)
+            for _ in range(5):
+                assert check_buckets(api, job_id, records[:4000], 50) == first
+            assert len(queries) == after_first  # not one read of the history
+            zoomed = check_buckets(api, job_id, records[:4000], 50, 1000, 2000)
+            assert zoomed != first
+            assert len(queries) > after_first  # a page of its own
+            write(db, job_id, records[4000:])
+            # Until the snapshot ages the page is the one read under it.
+            assert check_buckets(api, job_id, records[:4000], 50) == first
+            cache.forget(job_id)  # as the snapshot's age running out does
+            moved = check_buckets(api, job_id, records, 50)
+            assert moved["to_step"] == 5999 and first["to_step"] == 3999
+        finally:
+            event.remove(db.engine, "before_cursor_execute", seen)

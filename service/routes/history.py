@@ -25,7 +25,7 @@ from service.etag import etag_of, etag_response, respond
 from service.feeds import Feeds, stream
 from service.models import ScaleEvent
 from service.pages import bucket_dict, cached_page, page_body, polled_page
-from service.pollcache import PollCache
+from service.pollcache import Page, PollCache
 from service.responses import (
     BucketOut,
     BucketPage,
@@ -38,6 +38,7 @@ from service.responses import (
     error_responses,
 )
 from service.routes import export
+from service.routes.jobs import job_snapshot
 
 router = APIRouter(tags=["history"])
 
@@ -110,6 +111,10 @@ async def get_history(
     # is answered on the event loop without a thread hop or a query.
     if points is None and (cached := cached_page(cache, job_id, after_step, limit, "rows")):
         return respond(request, *cached)
+    if points is not None and (snap := cache.fresh(job_id)) is not None:
+        kept = cache.buckets(job_id, points, from_step, to_step, snap)
+        if kept is not None:
+            return respond(request, kept.body, kept.etag)
     return await run_in_threadpool(
         _history, request, db, cache, job_id, after_step, limit, points, from_step, to_step
     )
@@ -128,26 +133,46 @@ def _history(
 ) -> Response:
     if points is None and cache.ttl > 0:
         return respond(request, *polled_page(db, cache, job_id, after_step, limit, "rows"))
+    if points is not None and cache.ttl > 0:
+        page = bucket_page(db, cache, job_id, points, from_step, to_step)
+        return respond(request, page.body, page.etag)
     with db.read() as session:
-        return _history_in(request, session, job_id, after_step, limit, points, from_step, to_step)
+        if points is not None:
+            body, version = _buckets(session, job_id, points, from_step, to_step)
+            return respond(request, body, etag_of(body, version))
+        job = jobs.get_job(session, job_id)  # before the rows: see page_body
+        seen = (job.history_version, job.history_reset_step)
+        rows, has_more = history.read_steps(session, job_id, after_step=after_step, limit=limit)
+        body = page_body(job_id, job.status, rows, after_step, has_more, seen)
+        return respond(request, body, etag_of(body, seen[0]))
 
 
-def _history_in(
-    request: Request,
-    session: Session,
+def bucket_page(
+    db: Database,
+    cache: PollCache,
     job_id: int,
-    after_step: int,
-    limit: int,
-    points: int | None,
+    points: int,
     from_step: int | None,
     to_step: int | None,
-) -> Response:
-    job = jobs.get_job(session, job_id)  # before the rows: see page_body
+) -> Page:
+    """A bucket page, read once per job snapshot for every dashboard that asks for the same
+    one: a long run's charts all read their buckets again as the run moves. Blocking."""
+    snap = job_snapshot(db, cache, job_id)
+    with cache.single_flight(("buckets", job_id, points, from_step, to_step)):
+        page = cache.buckets(job_id, points, from_step, to_step, snap)
+        if page is None:
+            with db.read() as session:
+                body, version = _buckets(session, job_id, points, from_step, to_step)
+            page = cache.store_buckets(job_id, points, from_step, to_step, snap, body, version)
+    return page
+
+
+def _buckets(
+    session: Session, job_id: int, points: int, from_step: int | None, to_step: int | None
+) -> tuple[bytes, int]:
+    """A bucket page's body and the history version it was read at."""
+    job = jobs.get_job(session, job_id)
     version = (job.history_version, job.history_reset_step)
-    if points is None:
-        rows, has_more = history.read_steps(session, job_id, after_step=after_step, limit=limit)
-        body = page_body(job_id, job.status, rows, after_step, has_more, version)
-        return respond(request, body, etag_of(body, version[0]))
     span = _range(session, job_id, from_step, to_step)
     lo, hi = span if span is not None else (from_step or 0, to_step or 0)
     grid = rollups.grid_for(lo, max(lo, hi), points)
@@ -164,8 +189,7 @@ def _history_in(
         "history_version": version[0],
         "history_reset_step": version[1],
     }
-    body = json.dumps(page, separators=(",", ":"), allow_nan=False).encode()
-    return respond(request, body, etag_of(body, version[0]))
+    return json.dumps(page, separators=(",", ":"), allow_nan=False).encode(), version[0]
 
 
 @router.get(
