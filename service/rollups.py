@@ -442,6 +442,11 @@ def buckets(session: Session, job_id: int, *, lo: int, hi: int, points: int) -> 
     range), narrow ones straight from the step rows; both in SQL, one index range each."""
     if hi < lo:
         return []
+    if session.get_bind().dialect.name == "postgresql":
+        # A plan for these bounds and blocks at every run. psycopg prepares a statement after
+        # its fifth run, and PostgreSQL may then keep a generic plan, made without the values;
+        # for the lookup of each bucket's last block that plan scanned the job's rows.
+        session.execute(text("SET LOCAL plan_cache_mode = force_custom_plan"))
     grid = grid_for(lo, hi, points)
     if grid.level is None:
         groups = _raw_groups(session, job_id, lo, hi, grid)

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from service import history, rollups
 from service.db import Database
@@ -157,6 +158,33 @@ def test_every_rollup_level_agrees_with_brute_force(api: Api, db: Database) -> N
     page = check_buckets(api, job_id, records, 2)  # width >= 4096: level-1 rollups
     assert page["width"] % rollups.LEVEL_BLOCKS[1] == 0
     check_buckets(api, job_id, records, 3, 77, 9_876)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # SQLite has no plan cache
+def test_bucket_reads_are_planned_for_their_own_values_however_often_a_connection_runs_them(
+    api: Api, db: Database
+) -> None:
+    """PostgreSQL plans a prepared statement (psycopg prepares one after its fifth run) for
+    its values five times, then may keep a generic plan made without them. For the bucket
+    queries' lookups of each bucket's last block or step that generic plan scanned the job's
+    rows: from the 11th read on one connection, points=1000 over a million steps took ten
+    times as long (benchmarks/history.py). Every run is planned for its values."""
+    job_id = submit(api)
+    records = synthetic_history(20_000, seed=11)
+    write(db, job_id, records, batch=5000)
+    with db.read() as session:
+        for _ in range(15):
+            for lo, hi, points in ((0, 19_999, 300), (1000, 1500, 100)):  # rollups, raw rows
+                rollups.buckets(session, job_id, lo=lo, hi=hi, points=points)
+        plans = session.execute(
+            text(
+                "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements "
+                "WHERE statement LIKE '%step%'"
+            )
+        ).all()
+    assert plans, "psycopg prepared none of the bucket queries"
+    assert [(s, g) for s, g, _ in plans if g] == []
+    assert all(custom >= 10 for _, _, custom in plans)
 
 
 def test_bucket_holding_an_overflow_says_so(api: Api, db: Database) -> None:
