@@ -103,10 +103,15 @@ def worker(db: Database, settings: Settings) -> Iterator[Supervisor]:
 
 
 def halfway(
-    live: Live | None, *args: str, env: Mapping[str, str | None] | None = None
+    live: Live | None,
+    *args: str,
+    env: Mapping[str, str | None] | None = None,
+    timeout: float = 180,
 ) -> subprocess.CompletedProcess[str]:
     """The real ``halfway`` executable in a subprocess."""
     merged = {**os.environ, **{k: None for k in CLIENT_ENV}}
     merged |= (live.env() if live else {}) | dict(env or {})
     clean = {k: v for k, v in merged.items() if v is not None}
-    return subprocess.run([HALFWAY, *args], env=clean, capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [HALFWAY, *args], env=clean, capture_output=True, text=True, timeout=timeout
+    )

@@ -82,7 +82,12 @@ def test_overflow_rehearsal(live: Live, worker: Any) -> None:
 
 def test_sweep(live: Live, worker: Any) -> None:
     # A 100-column terminal: secondary columns give way, each variant keeps its own name.
-    result = halfway(live, "sweep", str(EXAMPLES / "sweep.yaml"), env={"COLUMNS": "100"})
+    # It trains the example's three policies one after another, and on a CPU with float16
+    # instructions TensorFlow's float16 kernels are far slower than float32: the
+    # mixed_float16 job alone can take minutes there.
+    result = halfway(
+        live, "sweep", str(EXAMPLES / "sweep.yaml"), env={"COLUMNS": "100"}, timeout=900
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert max(len(line) for line in out.splitlines()) <= 100
