@@ -531,7 +531,9 @@ def test_without_its_stream_the_page_polls_and_tries_the_stream_again_later(
     expect(loss_chart).to_have_attribute("data-points", "100")
 
     write(db, job_id, records(100, 60, overflow_at=[130]))
-    expect(loss_chart).to_have_attribute("data-points", "160")
+    # The page backs off 1 s, then 2 s, before it polls: Playwright's default 5 s leaves too
+    # little for the three tries and a poll on a loaded machine.
+    expect(loss_chart).to_have_attribute("data-points", "160", timeout=20_000)
     assert len(dash.streams(job_id)) >= 3, "three tries before polling"
     assert "99" in [q["after_step"] for q in dash.history_queries(job_id)], "polled for rows"
     assert len(dash.job_polls(job_id)) > 1

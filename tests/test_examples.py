@@ -29,7 +29,9 @@ def history(live: Live, job_id: int) -> list[dict[str, Any]]:
 
 
 def submit_and_watch(live: Live, name: str) -> dict[str, Any]:
-    result = halfway(live, "submit", str(EXAMPLES / name), "--watch")
+    # The examples train in full, in their own policy: on a CPU whose float16 kernels are slow
+    # (seen on one with AVX512-FP16) a mixed_float16 example takes minutes.
+    result = halfway(live, "submit", str(EXAMPLES / name), "--watch", timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     page = live.api("GET", "/v1/jobs?limit=1")
     job: dict[str, Any] = page["items"][0]
