@@ -11,7 +11,7 @@ from typing import Any, Literal
 from service import columnar, history, rollups
 from service.db import Database
 from service.etag import etag_of
-from service.pollcache import PollCache
+from service.pollcache import PageKey, PollCache
 from service.responses import json_float, loss_flag
 from service.routes.jobs import job_snapshot
 
@@ -88,7 +88,7 @@ def cached_page(
             empty = columnar.Slice(columnar.Columns.empty(), after_step, None)
             body = columnar.columns_body(job_id, snap.status, empty, after_step, version)
         return body, etag_of(body, snap.history_version)
-    page = cache.page(job_id, after_step, limit, snap, kind=kind)
+    page = cache.page((kind, job_id, after_step, limit), snap)
     return None if page is None else (page.body, page.etag)
 
 
@@ -99,8 +99,9 @@ def polled_page(
     query (one at a time, by single flight) answers all of those at the same step. Blocking:
     call it in a thread."""
     snap = job_snapshot(db, cache, job_id)
-    with cache.single_flight((kind, job_id, after_step, limit)):
-        page = cache.page(job_id, after_step, limit, snap, kind=kind)
+    key: PageKey = (kind, job_id, after_step, limit)
+    with cache.single_flight(key):
+        page = cache.page(key, snap)
         if page is None:
             version = (snap.history_version, snap.history_reset_step)
             with db.read() as session:
@@ -115,5 +116,5 @@ def polled_page(
                         session, job_id, after_step=after_step, limit=limit, up_to=up_to
                     )
                     body = columnar.columns_body(job_id, snap.status, found, after_step, version)
-            page = cache.store_page(job_id, after_step, limit, snap, body, kind=kind)
+            page = cache.store_page(key, snap, body, snap.history_version)
     return page.body, page.etag

@@ -59,6 +59,9 @@ class Listing:
 
 # What a listing is kept by: status, owner, the cursor's job id and the limit.
 ListKey = tuple[str | None, str | None, int | None, int]
+# What a history page is kept by: its kind, its job, then what selects it: (after_step, limit)
+# for "rows" and "columns", (points, from_step, to_step) for "buckets".
+PageKey = tuple[str, int, int | None, int | None] | tuple[str, int, int, int | None, int | None]
 _Aged = TypeVar("_Aged", Snapshot, Listing)
 K = TypeVar("K")
 V = TypeVar("V")
@@ -73,9 +76,7 @@ class PollCache:
         self.ttl = ttl
         self.size = size
         self._items: dict[int, Snapshot] = {}
-        # (kind, job id, ...): a row or column page by (after_step, limit); a bucket page
-        # by (points, from_step, to_step).
-        self._pages: dict[tuple[str, int, int | None, int | None, int | None], Page] = {}
+        self._pages: dict[PageKey, Page] = {}
         self._lists: dict[ListKey, Listing] = {}
         self._list_items: dict[int, tuple[bytes, bytes]] = {}  # job id: (its row, its JSON)
         self._lock = threading.Lock()
@@ -141,52 +142,18 @@ class PollCache:
         self._keep(self._items, job_id, snap, generation)
         return snap
 
-    def page(
-        self, job_id: int, after_step: int, limit: int, snap: Snapshot, *, kind: str = "rows"
-    ) -> Page | None:
-        """``kind``: the page's format (rows, columns), since each has its own body."""
-        return self._of(self._pages.get((kind, job_id, after_step, limit, None)), snap)
-
-    @staticmethod
-    def _of(page: Page | None, snap: Snapshot) -> Page | None:
-        """``page`` if it was read under ``snap``, the job's snapshot now."""
+    def page(self, key: PageKey, snap: Snapshot) -> Page | None:
+        """The page kept under ``key`` if it was read under ``snap``, the job's snapshot now:
+        every poller at the same cursor, and every dashboard drawing the same buckets of a
+        long run, reads the one page again until the run has moved."""
+        page = self._pages.get(key)
         return page if page is not None and page.taken == snap.taken else None
 
-    def store_page(
-        self,
-        job_id: int,
-        after_step: int,
-        limit: int,
-        snap: Snapshot,
-        body: bytes,
-        *,
-        kind: str = "rows",
-    ) -> Page:
-        page = Page(body, etag_of(body, snap.history_version), snap.taken)
-        self._keep(self._pages, (kind, job_id, after_step, limit, None), page)
-        return page
-
-    def buckets(
-        self, job_id: int, points: int, lo: int | None, hi: int | None, snap: Snapshot
-    ) -> Page | None:
-        """A bucket page (``points``, ``from_step``, ``to_step``) read under ``snap``: every
-        dashboard drawing a long run reads the same one again once the run has moved."""
-        return self._of(self._pages.get(("buckets", job_id, points, lo, hi)), snap)
-
-    def store_buckets(
-        self,
-        job_id: int,
-        points: int,
-        lo: int | None,
-        hi: int | None,
-        snap: Snapshot,
-        body: bytes,
-        history_version: int,
-    ) -> Page:
-        """Keep a bucket page read after ``snap`` was taken (``history_version``: the one the
-        page's own read of the job found)."""
+    def store_page(self, key: PageKey, snap: Snapshot, body: bytes, history_version: int) -> Page:
+        """Keep a page read after ``snap`` was taken; ``history_version`` goes into its ETag
+        (the snapshot's for a page cut at it, the page's own read of the job for buckets)."""
         page = Page(body, etag_of(body, history_version), snap.taken)
-        self._keep(self._pages, ("buckets", job_id, points, lo, hi), page)
+        self._keep(self._pages, key, page)
         return page
 
     def listing(self, key: ListKey, load: Callable[[], bytes]) -> Listing:

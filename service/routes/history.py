@@ -25,7 +25,7 @@ from service.etag import etag_of, etag_response, respond
 from service.feeds import Feeds, stream
 from service.models import ScaleEvent
 from service.pages import bucket_dict, cached_page, page_body, polled_page
-from service.pollcache import Page, PollCache
+from service.pollcache import Page, PageKey, PollCache
 from service.responses import (
     BucketOut,
     BucketPage,
@@ -112,7 +112,7 @@ async def get_history(
     if points is None and (cached := cached_page(cache, job_id, after_step, limit, "rows")):
         return respond(request, *cached)
     if points is not None and (snap := cache.fresh(job_id)) is not None:
-        kept = cache.buckets(job_id, points, from_step, to_step, snap)
+        kept = cache.page(("buckets", job_id, points, from_step, to_step), snap)
         if kept is not None:
             return respond(request, kept.body, kept.etag)
     return await run_in_threadpool(
@@ -158,12 +158,13 @@ def bucket_page(
     """A bucket page, read once per job snapshot for every dashboard that asks for the same
     one: a long run's charts all read their buckets again as the run moves. Blocking."""
     snap = job_snapshot(db, cache, job_id)
-    with cache.single_flight(("buckets", job_id, points, from_step, to_step)):
-        page = cache.buckets(job_id, points, from_step, to_step, snap)
+    key: PageKey = ("buckets", job_id, points, from_step, to_step)
+    with cache.single_flight(key):
+        page = cache.page(key, snap)
         if page is None:
             with db.read() as session:
                 body, version = _buckets(session, job_id, points, from_step, to_step)
-            page = cache.store_buckets(job_id, points, from_step, to_step, snap, body, version)
+            page = cache.store_page(key, snap, body, version)
     return page
 
 
