@@ -256,14 +256,31 @@ async def listen(
     version: int | None,
     keepalive_seconds: float,
     still_valid: Callable[[], Awaitable[bool]],
-) -> AsyncIterator[bytes]:
-    """One listener's events: alone until it reaches the feed's head, then the feed's."""
+) -> AsyncGenerator[bytes, None]:
+    """One listener's events (``_events``), and a keepalive comment on a tick that finds it
+    has sent nothing for ``keepalive_seconds``: a proxy may close a silent connection."""
+    loop = asyncio.get_running_loop()
+    sent = loop.time()
+    async with contextlib.aclosing(_events(feed, after, version, still_valid)) as events:
+        async for text in events:
+            if text is None and loop.time() - sent <= keepalive_seconds:
+                continue
+            yield KEEPALIVE if text is None else text
+            sent = loop.time()
+
+
+async def _events(
+    feed: Feed,
+    after: int,
+    version: int | None,
+    still_valid: Callable[[], Awaitable[bool]],
+) -> AsyncGenerator[bytes | None, None]:
+    """One listener's events: alone until it reaches the feed's head, then the feed's; None
+    for a tick that brought it nothing."""
     at = Position(feed.head.version if version is None else version, after)
     status: dict[str, Any] | None = None  # the last status this listener sent
     seq: int | None = None  # the last feed event it sent; None while it reads alone
     newer = False  # its version is one it read itself, newer than the feed's so far
-    loop = asyncio.get_running_loop()
-    sent = loop.time()  # when it last sent anything: a quiet stream gets a keepalive
     # It wakes at least once a tick (see Feed.run) and checks its token then, so a replaced
     # token ends the stream within a tick.
     if not await still_valid():
@@ -284,7 +301,6 @@ async def listen(
             if feed.done and seq == feed.seq:
                 return
             if events:
-                sent = loop.time()
                 continue
         elif at == head or (feed.done and at.version == head.version and at.after > head.after):
             seq = feed.seq  # join
@@ -292,7 +308,6 @@ async def listen(
                 # Its id is this position: an id behind it would make a client that
                 # reconnects with it receive rows it holds again.
                 yield sse("status", feed.status, event_id(at)).encode()
-                sent = loop.time()
             if feed.done:
                 yield end_event(at, feed.status or {}).encode()
                 return
@@ -303,7 +318,6 @@ async def listen(
             newer = got.version > head.version  # the feed will read that version next tick
             if reset is not None:
                 yield reset.encode()
-                sent = loop.time()
                 continue
             at, texts = render(at, got)
             if got.status != status:
@@ -311,7 +325,6 @@ async def listen(
                 texts.append(sse("status", status, event_id(at)))
             if texts:
                 yield "".join(texts).encode()
-                sent = loop.time()
             if not got.rows and not got.has_more and at.version == head.version:
                 at = Position(at.version, head.after)  # no rows up to the head: a gap
             continue
@@ -320,16 +333,13 @@ async def listen(
             at, reset = rewind(at, head.version, feed.reset_step)
             if reset is not None:
                 yield reset.encode()
-                sent = loop.time()
             continue
         # Nothing new on the feed, or ahead of it (this listener read alone what the feed
         # has not read yet): wait for the feed's next tick.
         await feed.changed()
         if not await still_valid():
             return
-        if loop.time() - sent > keepalive_seconds:
-            sent = loop.time()
-            yield KEEPALIVE
+        yield None
 
 
 async def stream(

@@ -5,18 +5,20 @@ read per tick for all of them, not one per listener. Real server, SQLite and Pos
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import aclosing
 from typing import Any
 
 import pytest
 from sqlalchemy import event
 
 from service.db import POOL_SIZE, Database
-from service.feeds import KEPT_EVENTS, Feeds, listen
+from service.feeds import KEEPALIVE, KEPT_EVENTS, Feeds, listen
 from service.history import StepRecord
 from service.models import Job
 from tests.conftest import Api
@@ -235,3 +237,51 @@ def test_more_listeners_than_the_database_pool_has_connections_all_hear_the_job(
     finally:
         for stream in streams:
             stream.close()
+
+
+def test_a_quiet_stream_gets_a_keepalive_each_period_and_a_busy_one_none(
+    api: Api, db: Database
+) -> None:
+    """A proxy may close a connection that stays silent: a listener that has sent nothing for
+    the keepalive period sends a comment on the next tick. One that sends events more often
+    than that never sends one."""
+    job_id = submit(api)
+    write(db, job_id, synthetic_history(5, seed=51))
+    keepalive, tick = 0.6, POLL / 5
+
+    async def scenario() -> tuple[list[tuple[float, bytes]], float]:
+        async def valid() -> bool:
+            return True
+
+        loop = asyncio.get_running_loop()
+        received: list[tuple[float, bytes]] = []  # when each chunk came, and the chunk
+
+        async def writes() -> float:  # a job flushing every 0.1 s; then it goes quiet
+            for start in range(5, 5 + 3 * 16, 3):
+                await asyncio.to_thread(write, db, job_id, synthetic_history(3, start, start))
+                await asyncio.sleep(0.1)
+            return loop.time()
+
+        async with (
+            Feeds(db).joined(job_id, tick) as feed,
+            aclosing(listen(feed, -1, None, keepalive, valid)) as stream,
+        ):
+            writer = asyncio.create_task(writes())
+            while not writer.done() or loop.time() < writer.result() + 4 * keepalive:
+                text = await anext(stream)
+                received.append((loop.time(), text))
+        return received, writer.result()
+
+    received, quiet_from = asyncio.run(scenario())
+    texts = [text for _, text in received]
+    assert stored(db, job_id) == apply(parse(b"".join(texts).decode()))
+    last_event = max(at for at, text in received if text != KEEPALIVE)
+    assert last_event < quiet_from + keepalive
+    assert b"".join(texts).count(b"event: steps") >= 10
+    assert KEEPALIVE not in [text for at, text in received if at <= last_event], (
+        "a keepalive while events went out six times a period"
+    )
+    quiet = [at for at, text in received if text == KEEPALIVE]
+    assert len(quiet) >= 3, quiet
+    gaps = [b - a for a, b in itertools.pairwise([last_event, *quiet])]
+    assert all(keepalive <= gap < keepalive + 0.3 for gap in gaps), gaps
