@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import select, update
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from history import fresh_database, new_job, timed
+from history import fresh_database, new_job
 
 from service import joblist
 from service.db import Database
@@ -79,13 +82,19 @@ def bench(url: str, count: int, repeat: int) -> None:
     flush()
     assert kept() == whole_page(db, count)
     times: dict[str, list[float]] = {"whole": [], "kept": [], "query": []}
+
+    def sample(name: str, fn: Callable[[], object]) -> None:
+        start = time.perf_counter()
+        fn()
+        times[name].append(time.perf_counter() - start)
+
     for _ in range(repeat):  # interleaved, so that the machine's drift hits all three
         flush()
-        times["whole"].append(timed(lambda: whole_page(db, count), 1))
+        sample("whole", lambda: whole_page(db, count))
         flush()
-        times["kept"].append(timed(kept, 1))
-        times["query"].append(timed(lambda: query_only(db, count), 1))
-    medians = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        sample("kept", kept)
+        sample("query", lambda: query_only(db, count))
+    medians = {k: statistics.median(v) for k, v in times.items()}
     print(f"{db.dialect}, {count} jobs, one changed per reload, median of {repeat}:")
     print(f"  encoded whole      {medians['whole'] * 1000:7.2f} ms")
     print(f"  from kept items    {medians['kept'] * 1000:7.2f} ms")

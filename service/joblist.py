@@ -10,7 +10,7 @@ import pickle
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import JSON, ColumnElement, Row, Select, Text, cast, select
+from sqlalchemy import JSON, ColumnElement, Row, Text, cast, select
 from sqlalchemy.orm import Session
 
 from service.models import Job
@@ -24,20 +24,6 @@ _SELECTED: tuple[ColumnElement[Any], ...] = tuple(
 )
 
 
-def list_query(
-    *, status: str | None, owner: str | None, before_id: int | None, limit: int
-) -> Select[Any]:
-    """Newest first, one row more than ``limit`` (it tells whether there is a next page)."""
-    query = select(*_SELECTED).order_by(Job.id.desc()).limit(limit + 1)
-    if status is not None:
-        query = query.where(Job.status == status)
-    if owner is not None:
-        query = query.where(Job.owner == owner)
-    if before_id is not None:
-        query = query.where(Job.id < before_id)
-    return query
-
-
 def list_rows(
     session: Session,
     *,
@@ -46,10 +32,16 @@ def list_rows(
     before_id: int | None = None,
     limit: int = 50,
 ) -> tuple[Sequence[Row[Any]], int | None]:
-    """A page of the list and the cursor of the next one (the last id of this page)."""
-    rows = session.execute(
-        list_query(status=status, owner=owner, before_id=before_id, limit=limit)
-    ).all()
+    """A page of the list, newest first, and the cursor of the next one (the last id of this
+    page). One row more than ``limit`` is read: it tells whether there is a next page."""
+    query = select(*_SELECTED).order_by(Job.id.desc()).limit(limit + 1)
+    if status is not None:
+        query = query.where(Job.status == status)
+    if owner is not None:
+        query = query.where(Job.owner == owner)
+    if before_id is not None:
+        query = query.where(Job.id < before_id)
+    rows = session.execute(query).all()
     next_cursor: int | None = rows[limit - 1].id if len(rows) > limit else None
     return rows[:limit], next_cursor
 
