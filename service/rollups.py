@@ -1,6 +1,6 @@
 """Rollups and buckets: a job's history cut into at most P ranges, each summarized (first/last
 step, min/max/last loss and scale, overflow and non-finite-loss counts) so that no spike and no
-overflow is averaged away, served from three levels of pre-summarized blocks. Step writes,
+overflow is averaged away, served from four levels of pre-summarized blocks. Step writes,
 truncation and raw reads are in service/history.py."""
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from sqlalchemy.orm import Session
 from service.db import upsert
 from service.models import FLOAT32_MAX, Step, StepRollup
 
-# Steps per rollup block, by level; each level's block is 64 blocks of the level below.
-LEVEL_BLOCKS = (64, 4096, 262144)
+# Steps per rollup block, by level; each level's block is 16 blocks of the level below, so a
+# bucket is at most 16 blocks of the level it is read from (migration 0007 explains).
+LEVEL_BLOCKS = (64, 1024, 16384, 262144)
 
 
 @dataclass
@@ -192,9 +193,9 @@ def _refresh_rollups_pg(session: Session, job_id: int, lo: int, hi: int) -> None
 
 def refresh_rollups(session: Session, job_id: int, lo: int, hi: int) -> None:
     """Recompute the rollup blocks that cover steps ``lo..hi`` (after a write or a truncation).
-    Reads at most the written rows plus two partial blocks, and 64 level-0 summaries per
-    level-1 block. Blocks that end up empty are left to the caller (``truncate_after``
-    deletes whatever lies past a cut)."""
+    Reads at most the written rows plus two partial blocks, and 16 summaries of the level
+    below per block of the levels above. Blocks that end up empty are left to the caller
+    (``truncate_after`` deletes whatever lies past a cut)."""
     if session.get_bind().dialect.name == "postgresql":
         _refresh_rollups_pg(session, job_id, lo, hi)
         return
@@ -299,6 +300,14 @@ def grid_for(lo: int, hi: int, points: int) -> Grid:
     size = LEVEL_BLOCKS[level]
     origin = (lo // size) * size
     width = math.ceil(math.ceil((hi - origin + 1) / points) / size) * size
+    # Rounded up, the width may be whole blocks of a coarser level too (1000 points over a
+    # million steps: 1024 steps, 16 level-0 blocks or one level-1 block): read those.
+    while (
+        level + 1 < len(LEVEL_BLOCKS)
+        and width % LEVEL_BLOCKS[level + 1] == 0
+        and origin % LEVEL_BLOCKS[level + 1] == 0
+    ):
+        level += 1
     return Grid(origin=origin, width=width, level=level)
 
 

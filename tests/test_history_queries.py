@@ -155,9 +155,25 @@ def test_every_rollup_level_agrees_with_brute_force(api: Api, db: Database) -> N
     job_id = submit(api)
     records = synthetic_history(10_000, seed=11)
     write(db, job_id, records, batch=2500)
-    page = check_buckets(api, job_id, records, 2)  # width >= 4096: level-1 rollups
+    page = check_buckets(api, job_id, records, 2)  # width >= 1024: level-1 rollups
     assert page["width"] % rollups.LEVEL_BLOCKS[1] == 0
     check_buckets(api, job_id, records, 3, 77, 9_876)
+
+
+def test_buckets_are_read_from_the_coarsest_level_whose_blocks_they_are_made_of(
+    api: Api, db: Database
+) -> None:
+    """1000 points over a million steps: the width rounds up to 1024 steps, 16 level-0 blocks
+    or one level-1 block; the one block is read (977 rollup rows, not 15,625). A zoom whose
+    origin is off the coarser grid stays on the finer one."""
+    assert rollups.grid_for(0, 999_999, 1000) == rollups.Grid(origin=0, width=1024, level=1)
+    assert rollups.grid_for(64, 999_999, 1000).level == 0
+    job_id = submit(api)
+    records = synthetic_history(20_000, seed=13)
+    write(db, job_id, records, batch=5000)
+    page = check_buckets(api, job_id, records, 20)  # 1000 steps a bucket, rounded to 1024
+    assert (page["width"], page["origin"]) == (1024, 0)
+    check_buckets(api, job_id, records, 20, 64, 19_999)
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # SQLite has no plan cache

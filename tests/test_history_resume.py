@@ -111,11 +111,13 @@ def check_derived(db: Database, job_id: int, records: list[StepRecord]) -> None:
 # history going on past the next block of that level, so that there are blocks to forget.
 CUTS = [
     pytest.param(64, 300, id="aligned-level0"),
-    pytest.param(4096, 9000, id="aligned-level1"),
-    pytest.param(262144, 262144 + 5000, id="aligned-level2"),
+    pytest.param(1024, 2500, id="aligned-level1"),
+    pytest.param(16384, 16384 + 2000, id="aligned-level2"),
+    pytest.param(262144, 262144 + 5000, id="aligned-level3"),
     pytest.param(100, 300, id="unaligned-level0"),
-    pytest.param(4096 + 64 * 3 + 5, 9000, id="unaligned-level1"),
-    pytest.param(262144 + 4096 + 64, 262144 + 9000, id="unaligned-level2"),
+    pytest.param(1024 + 64 * 3 + 5, 2500, id="unaligned-level1"),
+    pytest.param(16384 + 1024 + 64, 16384 + 2000, id="unaligned-level2"),
+    pytest.param(262144 + 16384 + 64, 262144 + 18_000, id="unaligned-level3"),
 ]
 
 

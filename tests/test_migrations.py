@@ -12,12 +12,17 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from fastapi.testclient import TestClient
 from sqlalchemy import MetaData, Table, create_engine, insert, inspect, text
 from sqlalchemy.engine import make_url
 
-from service import migrate
+from service import history, migrate, rollups
+from service.app import create_app
 from service.db import Database, normalize_url
-from service.models import Base, utcnow
+from service.models import Base, Job, utcnow
+from service.settings import Settings
+from tests.conftest import Api
+from tests.test_history_queries import check_buckets, synthetic_history
 
 PG_URL = os.environ.get("HALFWAY_TEST_DATABASE_URL")
 
@@ -163,4 +168,53 @@ def test_0004_counts_what_existing_jobs_hold_and_downgrades(empty_database: str)
     migrate.downgrade(db.engine, "0002")
     columns = {c["name"] for c in inspect(db.engine).get_columns("job")}
     assert not columns & {"steps_recorded", "overflows_recorded", "backoffs_recorded"}
+    db.dispose()
+
+
+def test_0007_rebuilds_the_rollup_levels_as_a_fresh_write_would_and_downgrades(
+    empty_database: str, tmp_path: Path
+) -> None:
+    """A database whose rollups hold the old levels (64, 4096 and 262144 steps) gets exactly
+    the rollups the head's write path makes, and buckets served from them equal the rows."""
+    db = Database.connect(empty_database)
+    migrate.upgrade(db.engine)  # 0007 rewrites no column: the head's models fit 0006 too
+    job_id = add_job_at_an_older_revision(db, steps_recorded=0)
+    # Across a 262144 edge, and with the job's first steps, so that every level has a block
+    # made of many blocks below, and partial ones at both ends.
+    records = synthetic_history(6000, seed=7) + synthetic_history(
+        40_000, seed=8, start=262144 - 20_000
+    )
+    for i in range(0, len(records), 5000):
+        with db.write() as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            history.write_steps(s, job, records[i : i + 5000], now=utcnow())
+
+    def stored() -> list[tuple[Any, ...]]:
+        with db.engine.connect() as conn:
+            query = text(
+                "SELECT level, block, first_step, last_step, count, loss_min, loss_max, "
+                "loss_last, scale_min, scale_max, scale_last, overflow_count, "
+                "nonfinite_loss_count FROM step_rollup ORDER BY level, block"
+            )
+            return [tuple(r) for r in conn.execute(query)]
+
+    written = stored()
+    assert {r[0] for r in written} == {0, 1, 2, 3}
+    migrate.downgrade(db.engine, "0006")  # the old layout, as that code kept it
+    old = stored()
+    assert {(r[0], r[1]) for r in old if r[0] > 0} == {
+        (level, step // size)
+        for level, size in ((1, 4096), (2, 262144))
+        for step in (r.step for r in records)
+    }
+    assert [r for r in old if r[0] == 0] == [r for r in written if r[0] == 0]
+    migrate.upgrade(db.engine)
+    assert stored() == written
+    settings = Settings(home=tmp_path, database_url=empty_database)
+    with TestClient(create_app(settings, db, auth=False)) as client:
+        api = Api(client, None)
+        page = check_buckets(api, job_id, records, 280)
+        assert page["width"] == rollups.LEVEL_BLOCKS[1]  # where the old layout had no level
+        check_buckets(api, job_id, records, 3, 100, 262144 + 10_000)
     db.dispose()
