@@ -1,7 +1,7 @@
 """Dashboards' polls answered before FastAPI's routing and dependency injection.
 
-A poll of a job, of its history after a cursor, or of the job list's first page, that the poll
-cache can answer costs no query, yet going through the router, the dependency solver and a
+A poll of a job, of its history after a cursor or in buckets, or of the job list's first page,
+that the poll cache can answer costs no query, yet going through the router, the dependency solver and a
 Request and Response object costs several times the answer itself; with a few hundred
 dashboards polling every second that overhead, on the server's cores, is what slows the
 training beside it. This middleware recognizes exactly those polls (a canonical path and query,
@@ -38,10 +38,10 @@ from service.etag import matches
 from service.feeds import Feeds, stream
 from service.metrics import REQUEST_LATENCY
 from service.pages import PageKind, cached_page, polled_page
-from service.pollcache import ListKey, PollCache
+from service.pollcache import ListKey, PageKey, PollCache
 from service.routes import history as history_routes
 from service.routes.export import MAX_ROWS_PER_PAGE, MAX_STEP
-from service.routes.history import LAST_EVENT_ID, MAX_ROWS, resume_point
+from service.routes.history import LAST_EVENT_ID, MAX_POINTS, MAX_ROWS, bucket_page, resume_point
 from service.routes.jobs import LIST_LIMIT, job_listing, job_snapshot
 
 T = TypeVar("T")
@@ -69,6 +69,7 @@ _GZIPPED_KEPT = 256
 # Only what the routes would parse to the same value: plain decimal integers without a sign
 # other than a leading minus, no leading zeros, and the two formats by name.
 _ITEM = re.compile(r"(after_step|limit)=(-?[1-9][0-9]{0,9}|0)|format=(rows|columns)")
+_BUCKET_ITEM = re.compile(r"(points|from_step|to_step)=([1-9][0-9]{0,9}|0)")
 
 
 class LeanPolls:
@@ -159,8 +160,10 @@ class LeanPolls:
         if found is None or cache.ttl <= 0 or _has_body(scope):
             return None
         job_id = int(found.group(1))
-        query = _history_query(scope["query_string"]) if found.group(2) else None
-        if (found.group(2) is None and scope["query_string"]) or (found.group(2) and query is None):
+        raw = scope["query_string"]
+        query = _history_query(raw) if found.group(2) else None
+        zoom = _bucket_query(raw) if found.group(2) and query is None else None
+        if (found.group(2) is None and raw) or (found.group(2) and query is None and zoom is None):
             return None
         if job_id > MAX_ID or not await self._authorized(scope):
             return None
@@ -169,6 +172,13 @@ class LeanPolls:
             snap = cache.fresh(job_id)
             if snap is None:
                 snap = await self._shared(("job", job_id), job_snapshot, db, cache, job_id)
+            if zoom is not None:
+                key: PageKey = ("buckets", job_id, *zoom)
+                kept = cache.page(key, snap)
+                if kept is None:
+                    read = (key, snap.taken)
+                    kept = await self._shared(read, bucket_page, db, cache, job_id, *zoom)
+                return HISTORY_PATH, kept.body, kept.etag
             if query is None:
                 return JOB_PATH, snap.body, snap.etag
             page = cached_page(cache, job_id, *query)
@@ -334,3 +344,22 @@ def _history_query(raw: bytes) -> tuple[int, int, PageKind] | None:
     if not (-1 <= after_step <= MAX_STEP and 1 <= limit <= most):
         return None
     return after_step, limit, kind
+
+
+def _bucket_query(raw: bytes) -> tuple[int, int | None, int | None] | None:
+    """(points, from_step, to_step) of a bucket poll, within the routes' bounds; None for
+    anything else (a zoom the route refuses, a repeated or unknown parameter)."""
+    values: dict[str, int] = {}
+    for item in raw.decode("latin-1").split("&") if raw else ():
+        found = _BUCKET_ITEM.fullmatch(item)
+        if found is None or found.group(1) in values:
+            return None
+        values[found.group(1)] = int(found.group(2))
+    points, lo, hi = values.get("points"), values.get("from_step"), values.get("to_step")
+    if points is None or not 1 <= points <= MAX_POINTS:
+        return None
+    if any(v is not None and v > MAX_STEP for v in (lo, hi)):
+        return None
+    if lo is not None and hi is not None and hi < lo:
+        return None
+    return points, lo, hi
