@@ -412,11 +412,37 @@ def _rollup_groups(
     return _groups(session.execute(_ROLLUP_GROUPS, params).all())
 
 
+def _covered(
+    session: Session, job_id: int, lo: int, hi: int, grid: Grid, level: int
+) -> dict[int, Agg]:
+    """Steps ``lo..hi`` by bucket, from the blocks of ``level`` wholly inside the range, and
+    for the two ends, which cover part of such a block, from the level below, down to the
+    step rows below level 0 (level -1). A block of a level at or below the grid's lies in one
+    bucket, since its size divides the grid's width and origin."""
+    if hi < lo:
+        return {}
+    if level < 0:
+        return _raw_groups(session, job_id, lo, hi, grid)
+    size = LEVEL_BLOCKS[level]
+    k0 = -(-lo // size)  # first block wholly inside the range
+    k1 = (hi + 1) // size - 1  # last block wholly inside the range
+    if k1 < k0:
+        return _covered(session, job_id, lo, hi, grid, level - 1)
+    groups = _rollup_groups(session, job_id, level, k0, k1, grid)
+    for end in (
+        _covered(session, job_id, lo, k0 * size - 1, grid, level - 1),
+        _covered(session, job_id, (k1 + 1) * size, hi, grid, level - 1),
+    ):
+        for b, agg in end.items():
+            groups[b] = groups[b].merge(agg) if b in groups else agg
+    return groups
+
+
 def buckets(session: Session, job_id: int, *, lo: int, hi: int, points: int) -> list[Bucket]:
     """At most ``points`` buckets over steps ``lo..hi``, each with min/max/last of loss and
     scale and its overflow and non-finite-loss counts; empty buckets are left out. Wide
-    buckets come from the rollups (plus raw rows for the partial blocks at the two ends of the
-    range), narrow ones straight from the step rows; both in SQL, one index range each."""
+    buckets come from the rollups (``_covered``), narrow ones straight from the step rows;
+    both in SQL, one index range a statement."""
     if hi < lo:
         return []
     if session.get_bind().dialect.name == "postgresql":
@@ -432,22 +458,7 @@ def buckets(session: Session, job_id: int, *, lo: int, hi: int, points: int) -> 
             )
         )
     grid = grid_for(lo, hi, points)
-    if grid.level is None:
-        groups = _raw_groups(session, job_id, lo, hi, grid)
-    else:
-        size = LEVEL_BLOCKS[grid.level]
-        k0 = -(-lo // size)  # first block wholly inside the range
-        k1 = (hi + 1) // size - 1  # last block wholly inside the range
-        if k1 < k0:
-            groups = _raw_groups(session, job_id, lo, hi, grid)
-        else:
-            groups = _rollup_groups(session, job_id, grid.level, k0, k1, grid)
-            for edge in (
-                _raw_groups(session, job_id, lo, k0 * size - 1, grid),
-                _raw_groups(session, job_id, (k1 + 1) * size, hi, grid),
-            ):
-                for b, agg in edge.items():
-                    groups[b] = groups[b].merge(agg) if b in groups else agg
+    groups = _covered(session, job_id, lo, hi, grid, -1 if grid.level is None else grid.level)
     return [
         Bucket(
             index=b,
