@@ -8,19 +8,19 @@ import csv
 import io
 import json
 from collections.abc import AsyncIterator, Iterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from service import columnar, history, jobs, rollups
 from service.authcache import still_valid
 from service.db import Database
 from service.deps import ID_PATTERN, MAX_ID, DbDep, JobId, PollCacheDep, PrincipalDep, SessionDep
-from service.errors import SpecError
+from service.errors import NotFound, SpecError
 from service.etag import etag_of, etag_response, respond
 from service.feeds import Feeds, stream
 from service.models import ScaleEvent
@@ -55,17 +55,16 @@ def bucket_out(b: rollups.Bucket) -> BucketOut:
     return BucketOut(**bucket_dict(b))
 
 
-def _range(
-    session: Any, job_id: int, from_step: int | None, to_step: int | None
-) -> tuple[int, int] | None:
-    if from_step is not None and to_step is not None and to_step < from_step:
-        raise SpecError("to_step", "range", "must not be below from_step")
-    recorded = history.step_range(session, job_id)
-    if recorded is None:
-        return None
-    lo = recorded[0] if from_step is None else from_step
-    hi = recorded[1] if to_step is None else min(to_step, recorded[1])
-    return lo, hi
+# What a bucket page needs of its job, and the first and last step recorded (two index
+# probes), in one round trip.
+_BUCKET_BASIS = text(
+    """
+    SELECT status, history_version, history_reset_step,
+           (SELECT step FROM step WHERE job_id = :job_id ORDER BY step LIMIT 1),
+           (SELECT step FROM step WHERE job_id = :job_id ORDER BY step DESC LIMIT 1)
+    FROM job WHERE id = :job_id
+    """
+)
 
 
 @router.get(
@@ -172,15 +171,23 @@ def _buckets(
     session: Session, job_id: int, points: int, from_step: int | None, to_step: int | None
 ) -> tuple[bytes, int]:
     """A bucket page's body and the history version it was read at."""
-    job = jobs.get_job(session, job_id)
-    version = (job.history_version, job.history_reset_step)
-    span = _range(session, job_id, from_step, to_step)
-    lo, hi = span if span is not None else (from_step or 0, to_step or 0)
+    basis = session.execute(_BUCKET_BASIS, {"job_id": job_id}).one_or_none()
+    if basis is None:
+        raise NotFound(f"job {job_id} does not exist")
+    if from_step is not None and to_step is not None and to_step < from_step:
+        raise SpecError("to_step", "range", "must not be below from_step")
+    status, history_version, reset_step, first, last = basis
+    version = (int(history_version), None if reset_step is None else int(reset_step))
+    if first is None:  # no steps recorded
+        lo, hi = from_step or 0, to_step or 0
+    else:
+        lo = first if from_step is None else from_step
+        hi = last if to_step is None else min(to_step, last)
     grid = rollups.grid_for(lo, max(lo, hi), points)
-    found = rollups.buckets(session, job_id, lo=lo, hi=hi, points=points) if span else []
+    found = [] if first is None else rollups.buckets(session, job_id, lo=lo, hi=hi, points=points)
     page = {
         "job_id": job_id,
-        "status": job.status,
+        "status": status,
         "from_step": lo,
         "to_step": hi,
         "points": points,
