@@ -244,7 +244,9 @@ def test_a_quiet_stream_gets_a_keepalive_each_period_and_a_busy_one_none(
 ) -> None:
     """A proxy may close a connection that stays silent: a listener that has sent nothing for
     the keepalive period sends a comment on the next tick. One that sends events more often
-    than that never sends one."""
+    than that never sends one. What counts is when the chunks came, not when the writes were
+    meant to land: on a loaded machine one write may take longer than the period, and then a
+    keepalive is right."""
     job_id = submit(api)
     write(db, job_id, synthetic_history(5, seed=51))
     keepalive, tick = 0.6, POLL / 5
@@ -278,10 +280,13 @@ def test_a_quiet_stream_gets_a_keepalive_each_period_and_a_busy_one_none(
     last_event = max(at for at, text in received if text != KEEPALIVE)
     assert last_event < quiet_from + keepalive
     assert b"".join(texts).count(b"event: steps") >= 10
-    assert KEEPALIVE not in [text for at, text in received if at <= last_event], (
-        "a keepalive while events went out six times a period"
-    )
-    quiet = [at for at, text in received if text == KEEPALIVE]
+    # Every keepalive follows a silence of at least the period, the busy stretch included.
+    silences = [
+        (at - before, text == KEEPALIVE) for (before, _), (at, text) in itertools.pairwise(received)
+    ]
+    assert all(silence >= keepalive for silence, kept_alive in silences if kept_alive), silences
+    # Once quiet, one comes each period (a tick late at most, and the loop's lag).
+    quiet = [at for at, text in received if text == KEEPALIVE and at > last_event]
     assert len(quiet) >= 3, quiet
     gaps = [b - a for a, b in itertools.pairwise([last_event, *quiet])]
-    assert all(keepalive <= gap < keepalive + 0.3 for gap in gaps), gaps
+    assert all(keepalive <= gap < keepalive + 0.5 for gap in gaps), gaps

@@ -9,6 +9,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -118,6 +119,7 @@ class Stream:
     def __init__(self, live: Live, job_id: int, headers: dict[str, str] | None = None) -> None:
         self.events: list[tuple[str, str | None, Any]] = []
         self.status: int | None = None
+        self.error: BaseException | None = None  # what ended the reading thread, if anything
         self._client = httpx.Client(base_url=live.url, timeout=30)
         self._headers = {**Team.header(live.team.alice), **(headers or {})}
         self._stop = threading.Event()
@@ -143,12 +145,27 @@ class Stream:
                         name = None
                         if self.events[-1][0] == "end":
                             return
-        except httpx.HTTPError:
+        except BaseException as error:
             if not self._stop.is_set():
+                self.error = error
                 raise
 
-    def wait(self, ok: Callable[[list[tuple[str, str | None, Any]]], bool]) -> None:
-        eventually(lambda: list(self.events), ok)
+    def wait(
+        self, ok: Callable[[list[tuple[str, str | None, Any]]], bool], timeout: float = 20.0
+    ) -> None:
+        """Until the events so far satisfy ``ok``. A stream that ended without is a failure at
+        once, naming its status and what ended it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ended = not self._thread.is_alive()  # before the read: its last events are in it
+            events = list(self.events)
+            if ok(events):
+                return
+            assert not ended and time.monotonic() < deadline, (
+                f"{'ended' if ended else 'still open'} with status {self.status}, "
+                f"error {self.error!r}, events {events!r}"
+            )
+            time.sleep(0.05)
 
     def close(self) -> None:
         """Leave as a browser tab does: the connection goes away at once (a shutdown wakes
