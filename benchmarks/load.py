@@ -5,10 +5,15 @@ one run) and what the polls cost the server process: its CPU under load less its
 quiet windows around it, where its embedded supervisor alone is busy. Then the spread.
 
 Each poller reads the job (with If-None-Match) and its new history rows (``after_step``
-cursor), once per period. The pollers run in ``wrk`` (Debian's package) when it is installed:
-on a 2-core machine the load generator shares the CPU with the server and the training, and
-a Python generator of 200 pollers costs more CPU than the server's answers to it; without wrk
-they run as Python asyncio tasks (``--python`` forces that).
+cursor), once per period, from the job's last step when its window opens. A dashboard reads a
+run's past once, when it opens (buckets, for a long run); this measures following a run. From
+step 0, each window's pollers read their way through the whole history again in 1,000-row
+pages (they did until this was found), so each window cost more than the one before it.
+
+The pollers run in ``wrk`` (Debian's package) when it is installed: on a 2-core machine the
+load generator shares the CPU with the server and the training, and a Python generator of
+200 pollers costs more CPU than the server's answers to it; without wrk they run as Python
+asyncio tasks (``--python`` forces that).
 
 With ``--listen`` the dashboards are as the dashboard now is: each listens to the job's
 event stream (``listeners.py``) instead of polling the job and its rows, and the windows
@@ -184,11 +189,11 @@ async def poller(
     stop: asyncio.Event,
     period: float,
     list_limit: int,
+    after: int,
 ) -> None:
     host, port = base.removeprefix("http://").split(":")
     conn = Connection(host, int(port), token)
     etag = list_etag = ""
-    after = -1
     await asyncio.sleep(period * (hash(asyncio.current_task()) % 1000) / 1000)  # spread starts
     while not stop.is_set():
         began = time.perf_counter()
@@ -221,7 +226,7 @@ WRK_SCRIPT = """
 local job_path = "/v1/jobs/%(job)d"
 local token = "Bearer %(token)s"
 local period_ms = %(period_ms)d
-local after = -1
+local after = %(after)d
 local turn = 0
 local errors = 0
 local etag = ""
@@ -288,7 +293,9 @@ def lowered(args: argparse.Namespace) -> list[str]:
     return ["nice", "-n", str(int(args.generator_nice))]
 
 
-def run_wrk(base: str, token: str, job_id: int, args: argparse.Namespace) -> dict[str, float]:
+def run_wrk(
+    base: str, token: str, job_id: int, args: argparse.Namespace, after: int = -1
+) -> dict[str, float]:
     if args.listen:  # the job and its rows come through the streams: only the list is polled
         plan, period = ["list"], args.list_period
     else:
@@ -298,6 +305,7 @@ def run_wrk(base: str, token: str, job_id: int, args: argparse.Namespace) -> dic
         WRK_SCRIPT
         % {
             "job": job_id,
+            "after": after,
             "token": token,
             "period_ms": int(period * 1000),
             "list_limit": LIST_LIMIT,
@@ -434,8 +442,9 @@ async def loaded_window(
     children, own = resource.getrusage(resource.RUSAGE_CHILDREN), time.process_time()
     started = time.perf_counter()
     latency: dict[str, tuple[float, float]] = {}
+    head = (await asyncio.to_thread(progress.read, job_id))[0]  # where the pollers start
     if use_wrk:
-        wrk = asyncio.create_task(asyncio.to_thread(run_wrk, base, token, job_id, args))
+        wrk = asyncio.create_task(asyncio.to_thread(run_wrk, base, token, job_id, args, head))
         loaded = await measure_training(progress, job_id, args.seconds)
         figures = await wrk
         stats.requests = int(figures["requests"])
@@ -446,7 +455,14 @@ async def loaded_window(
         tasks = [
             asyncio.create_task(
                 poller(
-                    base, token, job_id, stats, stop, args.period, LIST_LIMIT if args.jobs else 0
+                    base,
+                    token,
+                    job_id,
+                    stats,
+                    stop,
+                    args.period,
+                    LIST_LIMIT if args.jobs else 0,
+                    head,
                 )
             )
             for _ in range(args.pollers)
