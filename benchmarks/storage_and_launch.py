@@ -143,7 +143,8 @@ def bench_launch(rounds: int) -> None:
 
     from service.storage import StorageConfig
     from workers import child
-    from workers.launchers import Launcher, LocalLauncher, RayLauncher
+    from workers.launchers import Launcher, LocalLauncher
+    from workers.ray_launcher import RayLauncher
 
     cluster = Cluster(
         initialize_head=True,

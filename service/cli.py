@@ -246,7 +246,7 @@ def _ray_supervisors(
     """``max_jobs`` supervisors sharing one Ray connection: each claims and runs one job at
     a time as now, and Ray places each job's actor on a node with room. A supervisor holds
     as many GPUs as the largest node has, so it claims only jobs Ray could place."""
-    from workers.launchers import RayLauncher
+    from workers.ray_launcher import RayLauncher
     from workers.supervisor import Supervisor, new_worker_id
 
     try:

@@ -91,6 +91,12 @@ class Settings(BaseSettings):
         description="Unpacked/compressed size above which an archive is "
         "refused as a compression bomb.",
     )
+    code_isolation: Literal["auto", "bubblewrap", "none"] = Field(
+        default="auto",
+        description="How training children are walled off from the server: bubblewrap (user, "
+        "mount, PID and network namespaces; the job sees only its own inputs and scratch), "
+        "none (the server's user; announced), or auto: bubblewrap where it works, else none.",
+    )
     max_running_per_user: int = Field(default=0, ge=0, description="0 means no limit.")
     poll_cache_seconds: float = Field(
         default=0.5,

@@ -3,6 +3,7 @@ for a slot's memory to be free, and the environment the training child starts wi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from service.settings import Settings
 from tests import fakes
 from tests.test_supervisor import load, make_job
 from workers import gpus
-from workers.child import device_env
+from workers.sandbox import child_env
 from workers.supervisor import Supervisor
 
 
@@ -40,8 +41,12 @@ def test_slots() -> None:
 
 
 def test_child_environment_shows_only_its_gpus() -> None:
-    assert device_env([])["CUDA_VISIBLE_DEVICES"] == "-1"
-    env = device_env([2, 3])
+    home = Path("/job")
+    assert (
+        child_env({"CUDA_VISIBLE_DEVICES": "0,1"}, home=home, gpu_ids=[])["CUDA_VISIBLE_DEVICES"]
+        == "-1"
+    )
+    env = child_env({}, home=home, gpu_ids=[2, 3])
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
 

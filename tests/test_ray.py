@@ -25,7 +25,7 @@ from tests.reference import expected_scales
 from tests.s3 import S3Server
 from tests.test_crash_recovery import alive, wait_until
 from tests.test_training_keras import all_history
-from workers.launchers import RayLauncher
+from workers.ray_launcher import RayLauncher
 from workers.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,6 @@ import numpy as np
 
 from workers.checkpoints import checkpoint_path
 from workers.protocol import JobError
-from workers.staging import JobFiles
 
 if TYPE_CHECKING:
     from workers.recording import HalfwayTrainer
@@ -33,11 +32,12 @@ class Checkpointer:
     One file per step because the child may checkpoint ahead of the history the supervisor
     has committed; a job resumes from the checkpoint the supervisor acknowledged (it commits
     that step together with the history before it), never from a newer one whose rows may
-    have died with a killed supervisor. The supervisor deletes superseded files."""
+    have died with a killed supervisor. The child only writes the file into its scratch
+    folder: its host (``workers.staging``) commits it to the store and deletes superseded
+    ones."""
 
-    def __init__(self, directory: Path, files: JobFiles | None = None) -> None:
+    def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.files = files or JobFiles.local(directory)
 
     def path(self, step: int) -> Path:
         return checkpoint_path(self.directory, step)
@@ -58,7 +58,6 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
-        self.files.commit_checkpoint(step, target)
 
     def restore(self, trainer: HalfwayTrainer, step: int) -> Progress | None:
         """Load the checkpoint into the trainer; its progress (None in an older one)."""

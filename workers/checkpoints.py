@@ -17,6 +17,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
+from typing import IO
 
 from service.storage import Store
 
@@ -37,20 +38,26 @@ def marker_key(prefix: str, step: int) -> str:
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return _digest(f)[0]
 
 
-def commit(store: Store, prefix: str, step: int, local: Path) -> None:
-    """Upload the checkpoint's data (unless it was written in place), then its marker: the
-    one write that makes it visible."""
-    key = data_key(prefix, step)
-    if store.local_path(key) != local.resolve():
-        store.put_file(key, local)
-    marker = {"step": step, "bytes": local.stat().st_size, "sha256": sha256(local)}
+def _digest(f: IO[bytes]) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
+    while chunk := f.read(1 << 20):
+        digest.update(chunk)
+        size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def commit(store: Store, prefix: str, step: int, source: IO[bytes]) -> None:
+    """Upload the checkpoint's data, then its marker: the one write that makes it visible.
+    The marker describes the bytes read here, so data changed afterwards by whoever wrote
+    the file is caught on fetch."""
+    digest, size = _digest(source)
+    source.seek(0)
+    store.put_stream(data_key(prefix, step), source)
+    marker = {"step": step, "bytes": size, "sha256": digest}
     store.put_bytes(marker_key(prefix, step), json.dumps(marker).encode())
 
 

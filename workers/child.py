@@ -1,4 +1,4 @@
-"""Entry point of the training child process (started with multiprocessing *spawn*).
+"""The training child: what ``workers.entry`` runs in the job's sandbox.
 
 This module imports nothing heavy at the top: the supervisor names it as the trainer, and
 only the child, inside ``run``, imports TensorFlow.
@@ -14,60 +14,43 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from workers.protocol import JobError
 
-if TYPE_CHECKING:
-    from workers.staging import JobFiles
-
 
 def run(payload: dict[str, Any], conn: Connection) -> None:
+    """Train one attempt. Its inputs are staged already (``workers.staging``): the payload
+    names the folders, the child opens no store and holds no credential."""
     _die_with_parent(payload.get("parent_pid"))
-    try:
-        files, data_dir = _stage(payload)
-    except Exception as exc:  # the store unreachable: perhaps transient, so a retry
-        message = f"could not stage the job's files: {type(exc).__name__}: {exc}"
-        conn.send({"type": "done", "status": "failed", "error": message, "retryable": True})
-        conn.close()
-        return
-    job_dir = files.local_dir
+    job_dir = Path(payload["job_dir"])
     _redirect_output(job_dir / "train.log")
     stop = threading.Event()
-    files.start_shipping(shipped := threading.Event())
     # SIGTERM asks for a clean stop: the current execution finishes, its records are drained
     # and sent, a checkpoint is written. The supervisor sends SIGKILL after a grace period.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the server's terminal is its own
-    gpu_ids = payload.get("gpu_ids") or []
-    os.environ.update(device_env(gpu_ids))
     print(f"halfway: job {payload['job_id']} attempt {payload.get('attempt')} starting", flush=True)
+    if payload.get("isolation_warning"):
+        print(f"halfway: warning: {payload['isolation_warning']}", flush=True)
     try:
         from workers.context import RunContext
-        from workers.staging import code_dir_for, open_payload_storage
         from workers.training import train
-
-        # Here, not in _stage, so the job's log says where the bundle came from, and a bundle
-        # that fails its digest fails the job like any JobError (no retry).
-        code_dir = code_dir_for(
-            open_payload_storage(payload), payload["spec"], _code_cache(payload)
-        )
 
         status = train(
             RunContext(
                 job_id=payload["job_id"],
                 spec=payload["spec"],
                 job_dir=job_dir,
-                data_dir=data_dir,
+                data_dir=Path(payload["data_dir"]),
                 emit=conn.send,
                 stop=stop,
                 flush_seconds=payload.get("flush_seconds", 0.5),
-                gpu_ids=gpu_ids,
+                gpu_ids=payload.get("gpu_ids") or [],
                 resume_step=payload.get("resume_step"),
                 attempt=payload.get("attempt") or 1,
                 max_parameters=payload.get("max_parameters"),
-                code_dir=code_dir,
-                files=files,
+                code_dir=Path(payload["code_dir"]) if payload.get("code_dir") else None,
             )
         )
         conn.send({"type": "done", "status": status, "error": None, "retryable": False})
@@ -84,40 +67,6 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
     finally:
         conn.close()
     print("halfway: child exiting", flush=True)
-    shipped.set()
-    with contextlib.suppress(Exception):
-        files.ship()
-    files.clean_scratch()
-
-
-def _stage(payload: dict[str, Any]) -> tuple[JobFiles, Path]:
-    """The job's local directory (in the store, or scratch for a remote one) with the log of
-    earlier attempts, and a local directory holding its dataset."""
-    from workers.staging import JobFiles, data_dir_for, open_payload_storage
-
-    storage = open_payload_storage(payload)
-    scratch = Path(payload["scratch_dir"])
-    files = JobFiles.for_job(storage, payload["job_id"], scratch)
-    files.restore_log()
-    return files, data_dir_for(storage, payload["spec"], scratch)
-
-
-def _code_cache(payload: dict[str, Any]) -> Path:
-    """This host's cache of code bundles (HALFWAY_CODE_DIR), shared by its jobs."""
-    if payload.get("code_dir"):
-        return Path(payload["code_dir"])
-    return Path(payload["scratch_dir"]) / "code"
-
-
-def device_env(gpu_ids: list[int]) -> dict[str, str]:
-    """The environment a child needs before TensorFlow initialises CUDA: only its slot's GPUs
-    visible (none for a CPU job, so it cannot grab a GPU by accident), and memory taken as
-    needed rather than all at once."""
-    return {
-        "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpu_ids) if gpu_ids else "-1",
-        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
-        "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1"),
-    }
 
 
 def _die_with_parent(parent_pid: int | None) -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from workers.protocol import JobError, Message
-from workers.staging import JobFiles
 
 Emit = Callable[[Message], None]
 
@@ -31,8 +30,7 @@ class RunContext:
     resume_step: int | None = None  # the checkpoint the supervisor acknowledged
     attempt: int = 1
     max_parameters: int | None = None  # the server's limit, for models sized only here
-    code_dir: Path | None = None  # where code bundles are unpacked (code jobs)
-    files: JobFiles | None = None  # how job_dir reaches the store; None: job_dir is the store
+    code_dir: Path | None = None  # the code bundle's tree, read-only (code jobs)
 
 
 @contextlib.contextmanager

@@ -1,12 +1,13 @@
 """How a supervisor starts one training child and talks to it: the seam between Halfway's
 scheduling (claims, leases, history: always the supervisor's) and where the training runs.
 
-- ``LocalLauncher``: a process on this host, started with multiprocessing *spawn*, its
-  records over a pipe (the default).
+- ``LocalLauncher``: on this host. It stages the job's files (``workers.staging``), then
+  starts ``python -m workers.entry`` in the job's sandbox (``workers.sandbox``), its records
+  over a pipe. The handle does the child's store I/O when the supervisor asks.
 - ``RayLauncher``: a Ray actor asking for the job's GPUs and CPUs, so Ray places it on a node
-  with room; the actor starts the very same training child on that node (so SIGTERM, the
-  death-with-parent and crash isolation hold there too) and relays its records back through
-  actor calls. Ray is only imported by this launcher (``pip install 'halfway[ray]'``).
+  with room; the actor runs a ``LocalLauncher`` there (so staging, the sandbox, SIGTERM and
+  crash isolation hold there too) and relays records and store I/O through actor calls. Ray
+  is only imported by this launcher (``pip install 'halfway[ray]'``).
 
 Neither imports TensorFlow.
 """
@@ -14,19 +15,23 @@ Neither imports TensorFlow.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
+import json
 import os
+import select
 import signal
 import socket
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any, Protocol
 
-from workers.protocol import Message
+from workers import entry, sandbox, staging
+from workers.protocol import JobError, Message
 
 Trainer = Callable[[dict[str, Any], Connection], None]
-
-SPAWN = multiprocessing.get_context("spawn")
 
 
 class Handle(Protocol):
@@ -41,6 +46,10 @@ class Handle(Protocol):
     def poll(self, timeout: float) -> list[Message]:
         """Wait up to ``timeout`` seconds for messages or the child's end; every message
         waiting is returned."""
+        ...
+
+    def started(self) -> bool:
+        """Placed and staged: the child process exists (or staging failed)."""
         ...
 
     def alive(self) -> bool: ...
@@ -58,7 +67,17 @@ class Handle(Protocol):
     @property
     def exitcode(self) -> int | None: ...
 
-    def close(self) -> None: ...
+    # The child's store I/O, done here on its behalf; the supervisor calls these only while
+    # its lease holds.
+    def commit_checkpoint(self, step: int) -> None: ...
+
+    def ship(self) -> None: ...
+
+    def publish(self, names: list[str]) -> None: ...
+
+    def close(self) -> None:
+        """Release the child and remove its scratch folder."""
+        ...
 
 
 class Launcher(Protocol):
@@ -70,15 +89,156 @@ class Launcher(Protocol):
     ) -> Handle: ...
 
 
+def trainer_name(trainer: Trainer) -> str:
+    """``module:function`` of a trainer, for ``workers.entry`` to import in the sandbox."""
+    module, qualname = trainer.__module__, trainer.__qualname__
+    if module == "__main__" or "." in qualname:
+        raise ValueError(f"a trainer must be a module-level function, not {module}:{qualname}")
+    return f"{module}:{qualname}"
+
+
 class LocalHandle:
-    def __init__(self, process: Any, receiver: Connection) -> None:
-        self.process, self.receiver = process, receiver
-        self.pid: int | None = process.pid
+    """A child on this host: staged and started on a thread of its own (a large download
+    must not hold up the supervisor's lease renewals), then a process in its sandbox."""
+
+    def __init__(
+        self, trainer: Trainer, payload: dict[str, Any], isolation: sandbox.Isolation
+    ) -> None:
+        self.pid: int | None = None
         self.death: str | None = None
         self.placement = {"host": socket.gethostname()}
+        self.isolation = isolation
+        self.files: staging.JobFiles | None = None
+        self.process: subprocess.Popen[bytes] | None = None
+        self.receiver: Connection | None = None
         self.pipe_open = True
+        self._failure: Message | None = None  # staging failed: this is the only message
+        self._pidfd = self._status_fd = self._control = -1
+        self._cancelled = False
+        self._ready = threading.Event()
+        self._staged: staging.Staged | None = None
+        self._trainer, self._payload = trainer, payload
+        threading.Thread(
+            target=self._start, args=(trainer, payload), name="halfway-stage", daemon=True
+        ).start()
+
+    # Starting -------------------------------------------------------------------------------
+
+    def _start(self, trainer: Trainer, payload: dict[str, Any]) -> None:
+        try:
+            self._staged = self._stage(payload)
+        except JobError as exc:
+            self._fail(str(exc), retryable=False)
+        except Exception as exc:  # the store unreachable, a full disk: perhaps transient
+            self._fail(f"could not stage the job's files: {type(exc).__name__}: {exc}", True)
+        finally:
+            self._ready.set()
+
+    def _stage(self, payload: dict[str, Any]) -> staging.Staged:
+        storage = staging.open_payload_storage(payload)
+        scratch_root = Path(payload["scratch_dir"])
+        self.files = staging.JobFiles.for_attempt(
+            storage, payload["job_id"], payload["attempt"], scratch_root
+        )
+        return staging.stage(
+            storage,
+            payload["spec"],
+            self.files,
+            resume_step=payload.get("resume_step"),
+            data_cache=scratch_root / "data",
+            code_cache=Path(payload["code_dir"]),
+        )
+
+    def _fail(self, error: str, retryable: bool) -> None:
+        self._failure = {"type": "done", "status": "failed", "error": error, "retryable": retryable}
+
+    def _spawn(self, trainer: Trainer, payload: dict[str, Any], staged: staging.Staged) -> None:
+        receiver_fd, sender_fd = os.pipe()
+        control_r, self._control = os.pipe()
+        isolated = self.isolation.mode == "bubblewrap"
+        hex_ = staging.bundle_hex(payload["spec"])
+        job_dir = sandbox.JOB if isolated else staged.scratch
+        child = {
+            "trainer": trainer_name(trainer),
+            "message_fd": sender_fd,
+            "control_fd": control_r,
+            "job_id": payload["job_id"],
+            "attempt": payload["attempt"],
+            "spec": payload["spec"],
+            "gpu_ids": payload.get("gpu_ids") or [],
+            "flush_seconds": payload.get("flush_seconds", 0.5),
+            "resume_step": staged.resume_step,
+            "max_parameters": payload.get("max_parameters"),
+            "job_dir": str(job_dir),
+            "data_dir": str(sandbox.DATA if isolated else staged.data),
+            "code_dir": None
+            if staged.bundle is None
+            else str(sandbox.CODE if isolated else staged.bundle.parent),
+            "isolation_warning": self.isolation.warning,
+            # Outside a PID namespace the child checks that its parent is still us.
+            "parent_pid": None if isolated else os.getpid(),
+        }
+        roots = sandbox.code_roots([child["trainer"].partition(":")[0]])
+        keras_home = _keras_datasets()
+        env = sandbox.child_env(
+            os.environ,
+            home=job_dir,
+            gpu_ids=child["gpu_ids"],
+            extra={"PYTHONPATH": sandbox.python_path(roots)}
+            | ({"KERAS_HOME": str(sandbox.KERAS)} if isolated and keras_home else {}),
+        )
+        argv = [sys.executable, "-m", "workers.entry"]
+        status_r = -1
+        pass_fds = [sender_fd, control_r]
+        if isolated:
+            inputs = [(staged.data, sandbox.DATA)]
+            if staged.bundle is not None and hex_ is not None:
+                inputs.append((staged.bundle, sandbox.CODE / hex_))
+            if keras_home is not None:
+                inputs.append((keras_home, sandbox.KERAS / "datasets"))
+            mounts = sandbox.Mounts(staged.scratch, tuple(inputs), roots)
+            status_r, status_w = os.pipe()
+            pass_fds.append(status_w)
+            argv = sandbox.command(argv, mounts)
+            argv[1:1] = ["--json-status-fd", str(status_w)]
+        try:
+            # Until the child points its output at the log itself, what it prints (an
+            # import that fails) goes there too.
+            with open(staged.scratch / staging.LOG, "ab") as log:
+                self.process = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.PIPE,
+                    stdout=log,
+                    stderr=log,
+                    env=env,
+                    cwd=staged.scratch,
+                    pass_fds=pass_fds,
+                    start_new_session=True,  # the server's Ctrl-C is not the job's
+                )
+        finally:
+            for fd in pass_fds:
+                os.close(fd)  # the child holds the only write ends: EOF means it is gone
+        self.receiver = Connection(receiver_fd, writable=False)
+        self._pidfd = os.pidfd_open(self.process.pid)
+        # Kept open to the end: bwrap writes the exit status there last, and a closed
+        # pipe would kill it with SIGPIPE.
+        self._status_fd = status_r
+        self.pid = _sandboxed_pid(status_r) if isolated else self.process.pid
+        assert self.process.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self.process.stdin.write(json.dumps(child).encode())
+        self.process.stdin.close()
+
+    # Watching -------------------------------------------------------------------------------
+
+    def started(self) -> bool:
+        return self._ready.is_set() and not self._waiting_to_spawn()
+
+    def _waiting_to_spawn(self) -> bool:
+        return self._staged is not None and self.process is None and not self._cancelled
 
     def _drain(self, out: list[Message]) -> None:
+        assert self.receiver is not None
         try:
             while self.receiver.poll():
                 out.append(self.receiver.recv())
@@ -86,12 +246,25 @@ class LocalHandle:
             self.pipe_open = False
 
     def poll(self, timeout: float) -> list[Message]:
+        if not self._ready.wait(timeout):
+            return []
+        if self._waiting_to_spawn():
+            # Started here, on the thread that polls, not on the staging thread: the child's
+            # death-with-parent signal fires when the thread that started it ends.
+            try:
+                self._spawn(self._trainer, self._payload, self._staged)
+            except Exception as exc:
+                self._cancelled = True
+                self._fail(f"could not start the training process: {exc}", retryable=True)
+        if self.receiver is None:  # staging failed (or we were stopped before it ended)
+            failure, self._failure = self._failure, None
+            self.pipe_open = False
+            return [failure] if failure is not None else []
         out: list[Message] = []
-        sentinel = self.process.sentinel
-        wait([self.receiver, sentinel] if self.pipe_open else [sentinel], timeout=timeout)
+        wait([self.receiver, self._pidfd] if self.pipe_open else [self._pidfd], timeout=timeout)
         if self.pipe_open:
             self._drain(out)
-        if self.pipe_open and not self.process.is_alive():
+        if self.pipe_open and not self.alive():
             # Exited; whatever it sent is still readable, then EOF.
             self._drain(out)
             if self.pipe_open and not self.receiver.poll(0.5):
@@ -99,194 +272,104 @@ class LocalHandle:
         return out
 
     def alive(self) -> bool:
-        return bool(self.process.is_alive())
+        if not self._ready.is_set() or self._waiting_to_spawn():
+            return True
+        return self.process is not None and self.process.poll() is None
 
     def finished(self) -> bool:
-        return not self.process.is_alive() and not self.pipe_open
+        return self._ready.is_set() and not self.alive() and not self.pipe_open
 
     def stop(self) -> None:
-        if self.process.is_alive():
-            self.process.terminate()
+        """A byte on the control pipe, which the child turns into its own SIGTERM."""
+        if self._control >= 0 and self.alive():
+            with contextlib.suppress(OSError):
+                os.write(self._control, entry.STOP)
 
     def kill(self) -> None:
-        if self.process.is_alive():
+        self._cancelled = True  # a child not started yet never starts
+        if self.pid is not None and self.alive():
+            # In a sandbox, ``pid`` is the namespace's init: SIGKILL to it ends every process
+            # in the namespace. Outside one, the child leads its own process group.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if self.isolation.mode == "bubblewrap":
+                    os.kill(self.pid, signal.SIGKILL)
+                else:
+                    os.killpg(self.pid, signal.SIGKILL)
+        if self.process is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.process.pid, signal.SIGKILL)
-        self.process.join(timeout=10)
+                self.process.kill()  # bwrap itself (in "none" mode, the child again)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=10)
 
     @property
     def exitcode(self) -> int | None:
-        code: int | None = self.process.exitcode
+        if self.process is None:
+            return None
+        code = self.process.poll()
+        if code is not None and self.isolation.mode == "bubblewrap" and code > 128:
+            return 128 - code  # bwrap reports a child killed by signal N as 128 + N
         return code
 
+    # Store I/O ------------------------------------------------------------------------------
+
+    def commit_checkpoint(self, step: int) -> None:
+        assert self.files is not None
+        self.files.commit_checkpoint(step)
+
+    def ship(self) -> None:
+        if self.files is not None:
+            self.files.ship()
+
+    def publish(self, names: list[str]) -> None:
+        assert self.files is not None
+        self.files.publish(names)
+
     def close(self) -> None:
-        self.receiver.close()
-        self.process.join(timeout=5)
-        if self.process.is_alive():
-            self.kill()
+        self._ready.wait()
+        if self.receiver is not None:
+            self.receiver.close()
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        for fd in (self._pidfd, self._status_fd, self._control):
+            if fd >= 0:
+                os.close(fd)
+        self._pidfd = self._status_fd = self._control = -1
+        if self.files is not None:
+            self.files.remove_scratch()
+
+
+def _sandboxed_pid(status_fd: int, timeout: float = 60.0) -> int | None:
+    """The child's pid (on this host) from bwrap's first status line."""
+    line = b""
+    while not line.endswith(b"\n"):
+        ready, _, _ = select.select([status_fd], [], [], timeout)
+        if not ready:
+            return None
+        chunk = os.read(status_fd, 4096)
+        if not chunk:
+            return None
+        line += chunk
+    pid = json.loads(line.split(b"\n", 1)[0]).get("child-pid")
+    return int(pid) if pid is not None else None
+
+
+def _keras_datasets() -> Path | None:
+    """The worker's Keras dataset cache (read-only to jobs), if it has one."""
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    folder = Path(home) / "datasets"
+    return folder if folder.is_dir() else None
 
 
 class LocalLauncher:
     uses_local_gpus = True
 
+    def __init__(self, isolation: sandbox.Isolation) -> None:
+        self.isolation = isolation
+
     def start(
         self, trainer: Trainer, payload: dict[str, Any], *, name: str, gpus: int = 0
     ) -> LocalHandle:
-        receiver, sender = SPAWN.Pipe(duplex=False)
-        # The child checks that its parent is still this process (the supervisor, or the Ray
-        # actor on another node), not that its parent is "not PID 1": as a container's init,
-        # the supervisor is PID 1.
-        payload = {**payload, "parent_pid": os.getpid()}
-        process = SPAWN.Process(target=trainer, args=(payload, sender), name=name, daemon=True)
-        process.start()
-        sender.close()  # the child holds the only write end: EOF means it is gone
-        return LocalHandle(process, receiver)
-
-
-# ------------------------------------------------------------------------------------------
-# Ray
-
-
-class TrainingHost:
-    """The Ray actor: lives on the node Ray chose, runs the training child there."""
-
-    def __init__(self) -> None:
-        self.handle: LocalHandle | None = None
-
-    def start(self, trainer: Trainer, payload: dict[str, Any], name: str) -> dict[str, Any]:
-        import ray
-
-        # Ray picked this node's GPUs for us and says which: the child sees only those.
-        payload = {**payload, "gpu_ids": [int(g) for g in ray.get_gpu_ids()]}
-        # Scratch is this node's disk, not the supervisor's.
-        payload["scratch_dir"] = os.environ.get("HALFWAY_SCRATCH_DIR", payload["scratch_dir"])
-        self.handle = LocalLauncher().start(trainer, payload, name=name)
-        return {
-            "pid": self.handle.pid,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "host": socket.gethostname(),
-        }
-
-    def poll(self, timeout: float) -> tuple[list[Message], bool, int | None]:
-        assert self.handle is not None
-        messages = self.handle.poll(timeout)
-        return messages, self.handle.finished(), self.handle.exitcode
-
-    def stop(self) -> None:
-        if self.handle is not None:
-            self.handle.stop()
-
-    def kill(self) -> None:
-        if self.handle is not None:
-            self.handle.kill()
-
-
-class RayHandle:
-    def __init__(self, actor: Any, started: Any) -> None:
-        self.actor = actor
-        self._started_ref: Any = started  # resolves once Ray has placed the actor
-        self.pid: int | None = None
-        self.placement: dict[str, str] = {}
-        self.death: str | None = None
-        self._finished = False
-        self._exitcode: int | None = None
-
-    def _lost(self, exc: BaseException) -> None:
-        self.death = (
-            f"the Ray actor running the training was lost ({type(exc).__name__}): its node "
-            "died or was removed"
-        )
-        self._finished = True
-
-    def poll(self, timeout: float) -> list[Message]:
-        import ray
-
-        if self._finished:
-            return []
-        try:
-            if self._started_ref is not None:
-                # Not placed yet (the cluster may have no room): the supervisor keeps its
-                # lease meanwhile, and the startup timeout bounds the wait.
-                ready, _ = ray.wait([self._started_ref], timeout=timeout)
-                if not ready:
-                    return []
-                started = ray.get(self._started_ref)
-                self._started_ref = None
-                self.pid = started["pid"]
-                self.placement = {"host": started["host"], "ray_node_id": started["node_id"]}
-            messages, finished, code = ray.get(
-                self.actor.poll.remote(timeout), timeout=timeout + RAY_CALL_SECONDS
-            )
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            self._lost(exc)
-            return []
-        self._finished, self._exitcode = finished, code
-        return list(messages)
-
-    def alive(self) -> bool:
-        return not self._finished
-
-    def finished(self) -> bool:
-        return self._finished
-
-    def stop(self) -> None:
-        # Not awaited: the actor may still be waiting for placement; kill() follows anyway.
-        self.actor.stop.remote()
-
-    def kill(self) -> None:
-        """SIGKILL the child where it runs, then end the actor: ``ray.kill`` alone would leave
-        the child to PR_SET_PDEATHSIG, which is as sure but not as prompt."""
-        import ray
-
-        with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            ray.get(self.actor.kill.remote(), timeout=RAY_CALL_SECONDS)
-        ray.kill(self.actor, no_restart=True)
-        self._finished = True
-
-    @property
-    def exitcode(self) -> int | None:
-        return self._exitcode
-
-    def close(self) -> None:
-        import ray
-
-        with contextlib.suppress(Exception):
-            ray.kill(self.actor, no_restart=True)
-
-
-# A reply slower than this counts as a lost actor; well inside a lease, which the supervisor
-# renews between polls.
-RAY_CALL_SECONDS = 15.0
-
-
-class RayLauncher:
-    """Connects this process to a Ray cluster (``address``: ``auto``, ``ray://...``,
-    ``host:port``; None: ``RAY_ADDRESS`` or a Ray of our own on this host)."""
-
-    uses_local_gpus = False
-
-    def __init__(self, address: str | None = None, *, cpus_per_job: float = 1.0) -> None:
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(address=address, namespace="halfway", log_to_driver=False)
-        self.cpus_per_job = cpus_per_job
-        self._actor: Any = ray.remote(TrainingHost)
-
-    def gpus_per_node(self) -> int:
-        """The most GPUs one node has: a job asking for more could never be placed."""
-        import ray
-
-        nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
-        return max((int(n["Resources"].get("GPU", 0)) for n in nodes if n.get("Alive")), default=0)
-
-    def start(
-        self, trainer: Trainer, payload: dict[str, Any], *, name: str, gpus: int = 0
-    ) -> RayHandle:
-        actor: Any = self._actor.options(
-            num_cpus=self.cpus_per_job,
-            num_gpus=gpus,
-            max_restarts=0,  # a lost attempt is requeued by Halfway, resumed from the store
-            name=None,
-        ).remote()
-        return RayHandle(actor, actor.start.remote(trainer, payload, name))
+        return LocalHandle(trainer, payload, self.isolation)

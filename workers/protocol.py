@@ -57,6 +57,13 @@ class Note(TypedDict):
     message: str
 
 
+class Saved(TypedDict):
+    """Files the job saved in its folder (the model), for the supervisor to store."""
+
+    type: Literal["saved"]
+    names: list[str]
+
+
 class Done(TypedDict):
     type: Literal["done"]
     status: Literal["succeeded", "failed", "cancelled"]
@@ -64,4 +71,4 @@ class Done(TypedDict):
     retryable: bool
 
 
-Message = Started | Steps | EpochMetrics | Checkpointed | Warning_ | Forensics | Note | Done
+Message = Started | Steps | EpochMetrics | Checkpointed | Warning_ | Forensics | Note | Saved | Done

@@ -29,9 +29,10 @@ from service.history import StepRecord
 from service.metrics import HISTORY_WRITE_LATENCY
 from service.settings import Settings
 from service.storage import open_storage
-from workers import checkpoints, child, gpus
+from workers import checkpoints, child, gpus, sandbox
 from workers.launchers import Handle, Launcher, LocalLauncher, Trainer
 from workers.protocol import Done, Message
+from workers.staging import SHIP_SECONDS
 
 log = logging.getLogger("halfway.worker")
 
@@ -89,6 +90,11 @@ class _Run:
     relaxed_flushes: int = 0
     # Where the job's history ended after our last write, for the one-statement flush.
     held: Held | None = None
+    # When the last renewal that succeeded was sent (monotonic): the lease holds until at
+    # least lease_seconds after it, and store writes are made only within that (the fence).
+    renewed_at: float = field(default_factory=time.monotonic)
+    shipped_at: float = 0.0
+    saved: list[str] = field(default_factory=list)  # files the child saved, to publish
 
 
 class Supervisor:
@@ -109,7 +115,10 @@ class Supervisor:
         self.worker_id = worker_id or new_worker_id()
         self.gpu_ids = list(gpu_ids or [])
         self.memory_probe = memory_probe
-        self.launcher: Launcher = launcher or LocalLauncher()
+        self.isolation = sandbox.resolve(settings.code_isolation)
+        if self.isolation.warning is not None:
+            log.warning("training children run without isolation: %s", self.isolation.why)
+        self.launcher: Launcher = launcher or LocalLauncher(self.isolation)
         self.storage = open_storage(settings.storage_config())
         self.stop_event = threading.Event()
         self.current_job: int | None = None
@@ -209,6 +218,7 @@ class Supervisor:
             "resume_step": claim.checkpoint_step,
             "max_parameters": self.settings.max_parameters,
             "code_dir": str(self.settings.resolved_code_dir()),
+            "isolation": self.settings.code_isolation,
         }
 
     def _gpus_for(self, spec: dict[str, Any]) -> list[int]:
@@ -218,6 +228,8 @@ class Supervisor:
 
     def _run_claim(self, claim: jobs.Claim) -> Outcome:
         run = _Run(job_id=claim.job_id, attempt=claim.attempt, resume_step=claim.checkpoint_step)
+        if self.isolation.warning is not None and claim.spec.get("code"):
+            run.new_warnings.append(self.isolation.warning)
         gpu_ids = self._gpus_for(claim.spec)
         handle = self.launcher.start(
             self.trainer,
@@ -237,19 +249,67 @@ class Supervisor:
             while True:
                 for msg in handle.poll(0.2):
                     run.pid, run.placement = handle.pid, handle.placement
-                    self._handle(run, msg)
+                    self._handle(run, msg, handle)
                 self._tick(run, handle)
                 if run.lease_lost:
                     handle.kill()
                     return Outcome("lost", "another worker holds the job now")
                 if handle.finished():
                     break
+            run.death = handle.death
+            stored = self._store_outputs(run, handle)
         finally:
             handle.close()
-        run.death = handle.death
-        return self._finish(run, handle.exitcode)
+        return self._finish(run, handle.exitcode, stored)
 
-    def _handle(self, run: _Run, msg: Message) -> None:
+    def _fenced(self, run: _Run) -> bool:
+        """Whether our lease certainly still holds, so a store write of this attempt's may be
+        made: the database set it to expire lease_seconds after a renewal we sent at
+        ``renewed_at`` or later (a margin covers the clocks' rates)."""
+        held_for = time.monotonic() - run.renewed_at
+        return not run.lease_lost and held_for < 0.8 * self.settings.lease_seconds
+
+    def _store_outputs(self, run: _Run, handle: Handle) -> str | None:
+        """The child's last log lines and saved files into the store, while the lease holds;
+        an error if that failed (the attempt is then retried: its checkpoint is stored)."""
+        if not self._fenced(run):
+            self._sync(run)  # renew the lease, or learn it is lost
+        if not self._fenced(run):
+            return "the lease could not be renewed to store the job's outputs"
+        try:
+            handle.ship()
+            if run.done is not None and run.done["status"] == "succeeded" and run.saved:
+                handle.publish(run.saved)
+        except Exception as exc:
+            return f"could not store the job's outputs: {type(exc).__name__}: {exc}"
+        return None
+
+    def _commit_checkpoint(self, run: _Run, handle: Handle, step: int) -> None:
+        """Put the child's checkpoint into the store, then have it acknowledged with the next
+        flush. Not while the lease is in doubt: an attempt that lost its job must not write
+        a checkpoint the attempt holding it now could resume from."""
+        if not self._fenced(run):
+            log.warning(
+                "job %s: not storing the checkpoint of step %s: the lease is not certain",
+                run.job_id,
+                step,
+                extra=self._context(run.job_id),
+            )
+            return
+        try:
+            handle.commit_checkpoint(step)
+        except Exception as exc:  # the store is down: the next checkpoint tries again
+            log.warning(
+                "job %s: could not store the checkpoint of step %s: %s",
+                run.job_id,
+                step,
+                exc,
+                extra=self._context(run.job_id),
+            )
+            return
+        run.updates["checkpoint_step"] = step
+
+    def _handle(self, run: _Run, msg: Message, handle: Handle) -> None:
         run.last_message = time.monotonic()
         if msg["type"] == "steps":
             run.pending.extend(StepRecord(*r) for r in msg["records"])
@@ -286,7 +346,9 @@ class Supervisor:
                 msg["metrics"] if msg["epoch"] < 0 else {"epoch": msg["epoch"], **msg["metrics"]}
             )
         elif msg["type"] == "checkpoint":
-            run.updates["checkpoint_step"] = msg["step"]
+            self._commit_checkpoint(run, handle, msg["step"])
+        elif msg["type"] == "saved":
+            run.saved = list(msg["names"])
         elif msg["type"] == "warning":
             run.updates["guard_warning"] = msg["message"]
         elif msg["type"] == "forensics":
@@ -299,6 +361,15 @@ class Supervisor:
     def _tick(self, run: _Run, process: Handle) -> None:
         now = time.monotonic()
         s = self.settings
+        if not process.started():
+            # Staging, or waiting for Ray to place the child: the startup clock has not begun.
+            run.last_message = now
+        if now - run.shipped_at >= SHIP_SECONDS and self._fenced(run):
+            run.shipped_at = now
+            try:
+                process.ship()
+            except Exception as exc:  # the store is down: the next round tries again
+                log.warning("job %s: shipping the log failed: %s", run.job_id, exc)
         due = now - run.last_sync >= min(s.history_flush_seconds, s.lease_seconds / 3)
         if due and now >= run.next_db_try:
             self._sync(run)
@@ -327,6 +398,7 @@ class Supervisor:
         False if the database was unreachable (everything stays pending for the next try)."""
         pending = run.pending
         started = time.perf_counter()
+        sent_at = time.monotonic()
         # A flush that carries only history need not wait for the disk (PostgreSQL's commit
         # fsync costs more than the write itself): if the database crashes before those rows
         # reach the disk they are gone from it, but not from here. They are kept until a
@@ -363,6 +435,7 @@ class Supervisor:
                 run.lease_lost = True
                 return True
         run.held = held
+        run.renewed_at = sent_at
         HISTORY_WRITE_LATENCY.observe(time.perf_counter() - started)
         acknowledged = run.updates.get("checkpoint_step")
         if acknowledged is not None:
@@ -527,8 +600,10 @@ class Supervisor:
             return Outcome("retry", f"training process killed by signal {-exitcode} ({name})")
         return Outcome("retry", f"training process exited with code {exitcode} without a result")
 
-    def _finish(self, run: _Run, exitcode: int | None) -> Outcome:
+    def _finish(self, run: _Run, exitcode: int | None, store_error: str | None) -> Outcome:
         outcome = self._decide(run, exitcode)
+        if store_error is not None and outcome.status == "succeeded":
+            outcome = Outcome("retry", store_error)
         # Keep trying until the database takes the final state: the history we hold is the
         # only copy.
         while True:

@@ -230,12 +230,12 @@ def run_plan(ctx: RunContext, plan: Plan, device: dict[str, Any]) -> str:
     epochs = training["epochs"]
     total = per_epoch * epochs
 
-    checkpointer = Checkpointer(ctx.job_dir, ctx.files)
+    checkpointer = Checkpointer(ctx.job_dir)
     start = ctx.resume_step or 0
-    # Only a committed checkpoint, whole and as committed, is resumed from (fetched from the
-    # store into job_dir when it is remote). Without one, the supervisor sees start_step 0 in
-    # "started" and records why in the job.
-    if start and checkpointer.files.fetch_checkpoint(start) is None:
+    # Only a committed checkpoint, whole and as committed, is resumed from: the staging put
+    # it in job_dir after checking it against its marker. Without one, the supervisor sees
+    # start_step 0 in "started" and records why in the job.
+    if start and not checkpointer.path(start).is_file():
         print(f"halfway: checkpoint for step {start} is missing; starting over", flush=True)
         start = 0
     progress = checkpointer.restore(trainer, start) if start else None
@@ -314,8 +314,7 @@ def run_plan(ctx: RunContext, plan: Plan, device: dict[str, Any]) -> str:
             else:
                 save_keras(model, ctx.job_dir / "model.keras")
                 saved = ["model.keras"]
-            for name in saved:
-                checkpointer.files.publish(name)
+        ctx.emit({"type": "saved", "names": saved})  # the supervisor puts them in the store
     return "succeeded"
 
 
