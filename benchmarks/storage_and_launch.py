@@ -2,7 +2,8 @@
 
 - committing a checkpoint to an S3 API (moto's server on loopback, in its own process) and
   to a local directory: the example model's real checkpoint (examples/classic.json: weights,
-  Adam's slots and the loss scaler's state) and a 100 MB one; upload, digest and marker;
+  Adam's slots and the loss scaler's state) and a 100 MB one; upload, digest and marker
+  (what isolation adds to it, against the child writing in place: benchmarks/isolation.py);
 - what the Ray launcher adds to a job's start: from ``launcher.start`` to the child's
   ``started`` message (TensorFlow imported, data built, model compiled) and to its first
   records, local spawn against a Ray actor on a loopback cluster (a head and one node).
@@ -89,7 +90,8 @@ def time_commit(store: Any, local: Path, rounds: int) -> list[float]:
     out = []
     for i in range(rounds):
         started = time.perf_counter()
-        checkpoints.commit(store, f"bench-{uuid.uuid4().hex[:6]}", 100 + i, local)
+        with open(local, "rb") as f:
+            checkpoints.commit(store, f"bench-{uuid.uuid4().hex[:6]}", 100 + i, f)
         out.append(time.perf_counter() - started)
     return out
 
@@ -100,7 +102,6 @@ def fmt(values: list[float]) -> str:
 
 def bench_checkpoints(rounds: int) -> None:
     from service.storage import FileStore, S3Store, s3_client
-    from workers import checkpoints
 
     proc, endpoint = moto()
     try:
@@ -119,15 +120,6 @@ def bench_checkpoints(rounds: int) -> None:
                 print(f"checkpoint {name} ({size:.2f} MiB)")
                 print(f"  S3 (moto, loopback): {fmt(time_commit(s3, path, rounds))}")
                 print(f"  file:// (a copy):    {fmt(time_commit(local, path, rounds))}")
-                in_place = local.path(f"in-place/{path.name}")
-                in_place.parent.mkdir(parents=True, exist_ok=True)
-                in_place.write_bytes(path.read_bytes())
-                times = []
-                for _ in range(rounds):  # what the child pays on file://: digest and marker
-                    t0 = time.perf_counter()
-                    checkpoints.commit(local, "in-place", 100, in_place)
-                    times.append(time.perf_counter() - t0)
-                print(f"  file:// (in place):  {fmt(times)}")
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -142,7 +134,7 @@ def bench_launch(rounds: int) -> None:
     from ray.cluster_utils import Cluster
 
     from service.storage import StorageConfig
-    from workers import child
+    from workers import child, sandbox
     from workers.launchers import Launcher, LocalLauncher
     from workers.ray_launcher import RayLauncher
 
@@ -157,7 +149,10 @@ def bench_launch(rounds: int) -> None:
     )
     cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2, node_ip_address="127.0.0.1")
     cluster.wait_for_nodes()
-    launchers: dict[str, Launcher] = {"local": LocalLauncher(), "ray": RayLauncher(cluster.address)}
+    launchers: dict[str, Launcher] = {
+        "local": LocalLauncher(sandbox.resolve("auto")),
+        "ray": RayLauncher(cluster.address),
+    }
     results: dict[str, dict[str, list[float]]] = {
         k: {"started": [], "first steps": []} for k in launchers
     }
@@ -181,6 +176,8 @@ def bench_launch(rounds: int) -> None:
                             code_dir=str(tmp_path / "code"),
                         ).to_dict(),
                         "scratch_dir": str(tmp_path / "scratch"),
+                        "code_dir": str(tmp_path / "code"),
+                        "isolation": "auto",
                         "gpu_ids": [],
                         "flush_seconds": 0.1,
                         "resume_step": None,

@@ -61,8 +61,10 @@ def _attempt_of_a_plan(payload: dict[str, Any], conn: Connection, plan: list[Any
         conn.send({"type": "steps", "records": records, "steps_per_second": 100.0})
         if checkpoint is not None and first < checkpoint <= last:
             conn.send({"type": "checkpoint", "step": checkpoint})
+    # A file the test makes in the worker's data directory (the child's only view of
+    # the host besides its scratch).
     wait_for = step_plan.get("wait_for")
-    while wait_for and not os.path.exists(wait_for):
+    while wait_for and not (Path(payload["data_dir"]) / wait_for).exists():
         time.sleep(0.02)
     if step_plan.get("then") == "crash":
         time.sleep(0.5)  # the supervisor commits what was sent, as it would have by now
@@ -73,8 +75,7 @@ def _attempt_of_a_plan(payload: dict[str, Any], conn: Connection, plan: list[Any
 def plan_in_data_dir(payload: dict[str, Any], conn: Connection) -> None:
     """``_attempt_of_a_plan`` for jobs submitted through the API (whose specs cannot carry a
     ``fake`` section): the plan is ``fake-plan.json`` in the worker's data directory."""
-    # The worker's local data directory (the tests that use this run on a file store).
-    plan = json.loads((Path(payload["storage"]["data_dir"]) / "fake-plan.json").read_text())
+    plan = json.loads((Path(payload["data_dir"]) / "fake-plan.json").read_text())
     _attempt_of_a_plan(payload, conn, plan)
 
 

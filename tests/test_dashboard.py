@@ -797,14 +797,14 @@ def test_a_job_resumed_after_a_crash_shows_every_step_once_and_only_the_new_atte
     which drew attempt 1's rows, must end with each step once and only the new attempt's
     overflows: its rows from 128 on were replaced. Listening, the page learns it from the
     stream's `reset`; polling, from the job's history_version."""
-    crash = tmp_path / "crash-now"
+    crash = settings.resolved_data_dir() / "crash-now"
     plan = [
         {
             "until": 200,
             "total": 300,
             "checkpoint_at": 128,
             "overflow_at": [150, 160, 170],
-            "wait_for": str(crash),
+            "wait_for": crash.name,
             "then": "crash",
         },
         {"until": 300, "overflow_at": [140, 250]},

@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 
 from service.settings import Settings
-from service.storage import AlreadyExists, FileStore, Storage, StorageConfig, StorageError
+from service.storage import (
+    AlreadyExists,
+    FileStore,
+    Storage,
+    StorageConfig,
+    StorageError,
+    Store,
+)
 from service.storage import open_storage as open_store
 from workers import checkpoints
 
@@ -112,12 +119,17 @@ def _checkpoint(tmp_path: Path, step: int, content: bytes) -> Path:
     return local
 
 
+def _commit(store: Store, prefix: str, step: int, local: Path) -> None:
+    with open(local, "rb") as f:
+        checkpoints.commit(store, prefix, step, f)
+
+
 def test_a_checkpoint_exists_only_once_its_marker_is_written(
     storage: Storage, tmp_path: Path
 ) -> None:
     store = storage.artifacts
     local = _checkpoint(tmp_path / "stage", 400, b"weights at 400")
-    checkpoints.commit(store, "5", 400, local)
+    _commit(store, "5", 400, local)
     assert checkpoints.committed_steps(store, "5") == [400]
     fetched = checkpoints.fetch(store, "5", 400, tmp_path / "fresh")
     assert fetched is not None and fetched.read_bytes() == b"weights at 400"
@@ -132,7 +144,7 @@ def test_a_checkpoint_whose_data_is_not_what_was_committed_is_not_resumed_from(
     storage: Storage, tmp_path: Path
 ) -> None:
     store = storage.artifacts
-    checkpoints.commit(store, "5", 400, _checkpoint(tmp_path / "stage", 400, b"weights at 400"))
+    _commit(store, "5", 400, _checkpoint(tmp_path / "stage", 400, b"weights at 400"))
     # Same size, other bytes (another writer, a bad disk): the digest in the marker catches it.
     store.put_bytes(checkpoints.data_key("5", 400), b"weights at 999")
     assert checkpoints.fetch(store, "5", 400, tmp_path / "fresh") is None
@@ -145,7 +157,7 @@ def test_pruning_keeps_the_acknowledged_checkpoint_and_newer(
 ) -> None:
     store = storage.artifacts
     for step in (100, 200, 300):
-        checkpoints.commit(store, "9", step, _checkpoint(tmp_path / "stage", step, b"x"))
+        _commit(store, "9", step, _checkpoint(tmp_path / "stage", step, b"x"))
     store.put_bytes(checkpoints.data_key("9", 50), b"half")  # never committed
     store.put_bytes("9/model.keras", b"keep")
     store.put_bytes("90/checkpoint-000000000001.npz", b"another job's")
@@ -163,15 +175,17 @@ def test_pruning_keeps_the_acknowledged_checkpoint_and_newer(
     assert store.exists("90/checkpoint-000000000001.npz")
 
 
-def test_a_local_checkpoint_written_in_place_is_committed_without_a_copy(tmp_path: Path) -> None:
-    store = FileStore(tmp_path)
-    local = _checkpoint(tmp_path / "4", 10, b"w")
-    checkpoints.commit(store, "4", 10, local)
-    assert sorted(p.name for p in (tmp_path / "4").iterdir()) == [
-        "checkpoint-000000000010.npz",
-        "checkpoint-000000000010.npz.commit",
-    ]
-    assert checkpoints.fetch(store, "4", 10, tmp_path / "elsewhere") == local.resolve()
+def test_a_committed_checkpoint_is_a_copy_its_writer_cannot_change(tmp_path: Path) -> None:
+    """The training child writes into its scratch; what the store holds is a copy, so the
+    child changing its file afterwards (or an orphaned attempt writing on) changes nothing
+    a resume reads."""
+    store = FileStore(tmp_path / "store")
+    local = _checkpoint(tmp_path / "scratch", 10, b"w")
+    _commit(store, "4", 10, local)
+    local.write_bytes(b"changed after the commit")
+    fetched = checkpoints.fetch(store, "4", 10, tmp_path / "elsewhere")
+    assert fetched is not None and fetched.read_bytes() == b"w"
+    assert not fetched.resolve().is_relative_to((tmp_path / "scratch").resolve())
 
 
 def test_the_tensorboard_command_points_at_the_store_the_server_uses() -> None:

@@ -136,18 +136,34 @@ def test_an_unreachable_store_is_a_503_not_a_500(
             assert r.json()["error"] == "storage_unavailable"
 
 
-def _train(spec: dict[str, Any], files: Any, *, stop_after: int | None, resume: int | None) -> Any:
+def _train(
+    spec: dict[str, Any],
+    storage: Storage,
+    scratch: Path,
+    *,
+    stop_after: int | None,
+    resume: int | None,
+) -> Any:
+    """One attempt as a host runs it: staged into fresh scratch, trained (in this process),
+    each checkpoint committed from scratch when the child says it wrote it."""
     import threading
 
     from tests.training_runs import Run
+    from workers import staging
     from workers.context import RunContext
     from workers.training import train
 
+    files = staging.JobFiles.for_attempt(storage, 1, 1, scratch)
+    staged = staging.stage(
+        storage, spec, files, resume_step=resume, data_cache=scratch / "data", code_cache=scratch
+    )
     stop = threading.Event()
     run = Run(status=None, error=None)
 
     def emit(message: Any) -> None:
         run.messages.append(message)
+        if message["type"] == "checkpoint":
+            files.commit_checkpoint(message["step"])
         last = message["records"][-1][0] if message["type"] == "steps" else -1
         if stop_after is not None and last >= stop_after:
             stop.set()
@@ -155,13 +171,12 @@ def _train(spec: dict[str, Any], files: Any, *, stop_after: int | None, resume: 
     ctx = RunContext(
         job_id=1,
         spec=spec,
-        job_dir=files.local_dir,
-        data_dir=files.local_dir,
+        job_dir=staged.scratch,
+        data_dir=staged.data,
         emit=emit,
         stop=stop,
         flush_seconds=0.0,
-        resume_step=resume,
-        files=files,
+        resume_step=staged.resume_step,
     )
     run.status = train(ctx)
     return run
@@ -174,24 +189,17 @@ def test_a_resumed_attempt_on_fresh_disk_uses_only_a_committed_checkpoint(
     without its marker (an upload cut short) is not resumed from: the attempt starts over."""
     from tests.training_runs import job_spec
     from workers import checkpoints
-    from workers.staging import JobFiles
 
     spec = job_spec(tmp_path, training={"epochs": 4})
-    first = _train(
-        spec, JobFiles.for_job(storage, 1, tmp_path / "host-a"), stop_after=30, resume=None
-    )
+    first = _train(spec, storage, tmp_path / "host-a", stop_after=30, resume=None)
     assert first.status == "cancelled"
     step = first.of_type("checkpoint")[-1]["step"]
     assert 30 <= step < 92 and checkpoints.committed_steps(storage.artifacts, "1") == [step]
 
-    resumed = _train(
-        spec, JobFiles.for_job(storage, 1, tmp_path / "host-b"), stop_after=None, resume=step
-    )
+    resumed = _train(spec, storage, tmp_path / "host-b", stop_after=None, resume=step)
     assert resumed.status == "succeeded"
     assert resumed.started["start_step"] == step and resumed.steps == list(range(step, 92))
 
     storage.artifacts.delete(checkpoints.marker_key("1", step))
-    over = _train(
-        spec, JobFiles.for_job(storage, 1, tmp_path / "host-c"), stop_after=None, resume=step
-    )
+    over = _train(spec, storage, tmp_path / "host-c", stop_after=None, resume=step)
     assert over.started["start_step"] == 0 and over.steps == list(range(92))
