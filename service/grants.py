@@ -3,7 +3,11 @@
 ``off``), and an admin can grant it to one member (``halfway users grant NAME code``).
 
 This is trust between teammates, not a sandbox: whoever holds the right can run anything
-the worker's user can."""
+the worker's user can.
+
+The right is checked on each request that uploads or submits code, and again when a worker
+claims a code job (``code_refusal``): a right taken away while the job waited in the queue
+stops it before any of its code runs."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from typing import Literal
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from service.auth import Principal
+from service.auth import LOCAL_PRINCIPAL, Principal
 from service.errors import Conflict, Forbidden
 from service.models import User, UserGrant, utcnow
 
@@ -72,8 +76,40 @@ def require_code_right(
     if may_run_code(session, principal, policy):
         return
     if policy == "off":
-        raise Forbidden("code jobs are switched off on this server (HALFWAY_CODE_JOBS=off)")
-    raise Forbidden(
-        f"{principal.name} may not upload or run code: HALFWAY_CODE_JOBS=admins allows admins "
-        f"and members an admin granted it (halfway users grant {principal.name} code)"
+        raise Forbidden(_SWITCHED_OFF)
+    raise Forbidden(f"{principal.name} may not upload or run code: {_admins_only(principal.name)}")
+
+
+def code_refusal(
+    session: Session, owner: str, policy: Literal["admins", "members", "off"]
+) -> str | None:
+    """Why the owner of a code job (the job row's ``owner``) may not run code now, or None if
+    they may: the right as it stands when a worker claims the job, not as it stood when the
+    job was submitted. A disabled or removed user may run nothing. A job submitted with
+    authentication off belongs to ``local`` (an admin, with no user row), and runs as long
+    as the policy lets admins run code."""
+    row = session.execute(select(User.role, User.disabled).where(User.name == owner)).one_or_none()
+    if row is None:
+        if owner != LOCAL_PRINCIPAL.name:
+            return f"{owner} is no longer a user, so holds no right to run code"
+        principal = LOCAL_PRINCIPAL
+    else:
+        role, disabled = row
+        if disabled:
+            return f"{owner} is disabled, so may not run code"
+        principal = Principal(name=owner, role=role)
+    if may_run_code(session, principal, policy):
+        return None
+    if policy == "off":
+        return _SWITCHED_OFF
+    return f"{owner} does not hold the code right any more: {_admins_only(owner)}"
+
+
+_SWITCHED_OFF = "code jobs are switched off on this server (HALFWAY_CODE_JOBS=off)"
+
+
+def _admins_only(name: str) -> str:
+    return (
+        "HALFWAY_CODE_JOBS=admins allows admins and members an admin granted it "
+        f"(halfway users grant {name} code)"
     )

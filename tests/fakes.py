@@ -37,6 +37,13 @@ def _started(
     )
 
 
+def _write_checkpoint(payload: dict[str, Any], step: int) -> None:
+    """What the real child writes before it says "checkpoint": a file in its folder, which the
+    supervisor commits to the store (and stages again for a resumed attempt)."""
+    path = Path(payload["job_dir"]) / f"checkpoint-{step:012d}.npz"
+    path.write_bytes(f"fake checkpoint of step {step}".encode())
+
+
 def _attempt_of_a_plan(payload: dict[str, Any], conn: Connection, plan: list[Any]) -> None:
     """One attempt of a job that crashes and resumes: ``plan[attempt - 1]`` says up to which
     step it trains (from the acknowledged checkpoint the supervisor hands it), where its
@@ -60,6 +67,7 @@ def _attempt_of_a_plan(payload: dict[str, Any], conn: Connection, plan: list[Any
         ]
         conn.send({"type": "steps", "records": records, "steps_per_second": 100.0})
         if checkpoint is not None and first < checkpoint <= last:
+            _write_checkpoint(payload, checkpoint)
             conn.send({"type": "checkpoint", "step": checkpoint})
     # A file the test makes in the worker's data directory (the child's only view of
     # the host besides its scratch).

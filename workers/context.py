@@ -33,16 +33,21 @@ class RunContext:
     code_dir: Path | None = None  # the code bundle's tree, read-only (code jobs)
 
 
+SCRATCH_VOLUME = "the worker's scratch volume (HALFWAY_SCRATCH_DIR)"
+ARTIFACT_VOLUME = "the artifact volume (HALFWAY_ARTIFACT_DIR)"
+
+
 @contextlib.contextmanager
-def disk_errors_explained(directory: Path) -> Iterator[None]:
+def disk_errors_explained(directory: Path, volume: str = SCRATCH_VOLUME) -> Iterator[None]:
     """A full disk (or quota) is the job's to report, clearly and without a retry that would
-    fail the same way; the worker itself is unaffected."""
+    fail the same way; the worker itself is unaffected. The child writes to its scratch
+    folder, the supervisor from there to the store: ``volume`` says which one to free."""
     try:
         yield
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise JobError(
                 f"no space left writing to {directory} ({os.strerror(exc.errno)}): free space "
-                "on the artifact volume (HALFWAY_ARTIFACT_DIR) and submit again"
+                f"on {volume} and submit again"
             ) from None
         raise

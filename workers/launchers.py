@@ -248,7 +248,7 @@ class LocalHandle:
     def poll(self, timeout: float) -> list[Message]:
         if not self._ready.wait(timeout):
             return []
-        if self._waiting_to_spawn():
+        if self._staged is not None and self._waiting_to_spawn():
             # Started here, on the thread that polls, not on the staging thread: the child's
             # death-with-parent signal fires when the thread that started it ends.
             try:

@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 from sqlalchemy.exc import DBAPIError
 
-from service import history, jobs
+from service import grants, history, jobs
 from service.db import Database
 from service.heldflush import Held, HeldAppender
 from service.history import StepRecord
@@ -30,8 +30,9 @@ from service.metrics import HISTORY_WRITE_LATENCY
 from service.settings import Settings
 from service.storage import open_storage
 from workers import checkpoints, child, gpus, sandbox
+from workers.context import ARTIFACT_VOLUME, disk_errors_explained
 from workers.launchers import Handle, Launcher, LocalLauncher, Trainer
-from workers.protocol import Done, Message
+from workers.protocol import Done, JobError, Message
 from workers.staging import SHIP_SECONDS
 
 log = logging.getLogger("halfway.worker")
@@ -185,7 +186,7 @@ class Supervisor:
             return False
         self.current_job = claim.job_id
         try:
-            outcome = self._run_claim(claim)
+            outcome = self._refuse_code_job(claim) or self._run_claim(claim)
         finally:
             self.current_job = None
         log.info(
@@ -269,25 +270,34 @@ class Supervisor:
         held_for = time.monotonic() - run.renewed_at
         return not run.lease_lost and held_for < 0.8 * self.settings.lease_seconds
 
-    def _store_outputs(self, run: _Run, handle: Handle) -> str | None:
-        """The child's last log lines and saved files into the store, while the lease holds;
-        an error if that failed (the attempt is then retried: its checkpoint is stored)."""
+    def _store_outputs(self, run: _Run, handle: Handle) -> Outcome | None:
+        """The child's last log lines and saved files into the store, while the lease holds.
+        If that fails, how the attempt ends instead: failed on a full store (a retry would
+        fill it again), else retried (its checkpoint is stored)."""
         if not self._fenced(run):
             self._sync(run)  # renew the lease, or learn it is lost
         if not self._fenced(run):
-            return "the lease could not be renewed to store the job's outputs"
+            return Outcome("retry", "the lease could not be renewed to store the job's outputs")
+        store = self.settings.resolved_artifact_dir()
         try:
-            handle.ship()
-            if run.done is not None and run.done["status"] == "succeeded" and run.saved:
-                handle.publish(run.saved)
+            with disk_errors_explained(store / str(run.job_id), ARTIFACT_VOLUME):
+                handle.ship()
+                if run.done is not None and run.done["status"] == "succeeded" and run.saved:
+                    handle.publish(run.saved)
+        except JobError as exc:
+            return Outcome("failed", str(exc))
         except Exception as exc:
-            return f"could not store the job's outputs: {type(exc).__name__}: {exc}"
+            return Outcome(
+                "retry", f"could not store the job's outputs: {type(exc).__name__}: {exc}"
+            )
         return None
 
     def _commit_checkpoint(self, run: _Run, handle: Handle, step: int) -> None:
         """Put the child's checkpoint into the store, then have it acknowledged with the next
-        flush. Not while the lease is in doubt: an attempt that lost its job must not write
-        a checkpoint the attempt holding it now could resume from."""
+        flush. Fenced like a history write: the lease is renewed first (with the rows the
+        checkpoint covers), and an attempt that has lost its job, or cannot tell, writes
+        nothing the attempt holding it now could resume from."""
+        self._sync(run)
         if not self._fenced(run):
             log.warning(
                 "job %s: not storing the checkpoint of step %s: the lease is not certain",
@@ -600,10 +610,10 @@ class Supervisor:
             return Outcome("retry", f"training process killed by signal {-exitcode} ({name})")
         return Outcome("retry", f"training process exited with code {exitcode} without a result")
 
-    def _finish(self, run: _Run, exitcode: int | None, store_error: str | None) -> Outcome:
+    def _finish(self, run: _Run, exitcode: int | None, stored: Outcome | None) -> Outcome:
         outcome = self._decide(run, exitcode)
-        if store_error is not None and outcome.status == "succeeded":
-            outcome = Outcome("retry", store_error)
+        if stored is not None and outcome.status == "succeeded":
+            outcome = stored
         # Keep trying until the database takes the final state: the history we hold is the
         # only copy.
         while True:
@@ -657,3 +667,30 @@ class Supervisor:
                 return lost
         checkpoints.remove_all(self.storage.artifacts, str(run.job_id))
         return outcome
+
+    def _refuse_code_job(self, claim: jobs.Claim) -> Outcome | None:
+        """Fail a claimed code job whose owner may not run code now (a right revoked, the
+        policy tightened or the user disabled while the job waited), before any child
+        starts: the right must hold when the code is about to run, not only at submission.
+        None to run the job."""
+        if claim.spec.get("code") is None:
+            return None
+        with self.db.write() as session:
+            owner = jobs.get_job(session, claim.job_id).owner
+            refusal = grants.code_refusal(session, owner, self.settings.code_jobs)
+            if refusal is None:
+                return None
+            error = f"refused when a worker claimed it: {refusal}"
+            job_id, worker_id = claim.job_id, self.worker_id
+            if not (
+                jobs.record_attempt_error(
+                    session, job_id=job_id, worker_id=worker_id, attempt=claim.attempt, error=error
+                )
+                and jobs.finish(
+                    session, job_id=job_id, worker_id=worker_id, status="failed", error=error
+                )
+            ):
+                return Outcome("lost", "the job was no longer ours when it was refused")
+        # As for any job that failed for good: its checkpoints (of an earlier attempt) go.
+        checkpoints.remove_all(self.storage.artifacts, str(claim.job_id))
+        return Outcome("failed", error)
