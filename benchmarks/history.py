@@ -54,7 +54,8 @@ from service.history import StepRecord
 from service.models import utcnow
 from service.schemas import JobSpec, SubmitResult
 from service.settings import Settings
-from workers.supervisor import Supervisor, _Run
+from workers.attempt import Attempt
+from workers.supervisor import Supervisor
 
 HALFWAY = str(Path(sys.executable).parent / "halfway")
 
@@ -121,7 +122,7 @@ def ingest(
     with db.write() as s:
         claim = jobs.claim_next(s, worker_id="bench", lease_seconds=600, gpus_held=0)
         assert claim is not None and claim.job_id == job_id
-    run = _Run(job_id=job_id, attempt=1)
+    run = Attempt(job_id=job_id, attempt=1)
     start = time.perf_counter()
     for i in range(0, len(records), batch):
         run.pending = records[i : i + batch]

@@ -21,7 +21,9 @@ from service.rollups import refresh_rollups
 from service.settings import Settings
 from tests.conftest import Api
 from tests.test_history_queries import submit, synthetic_history, write
-from workers.supervisor import RELAXED_FLUSHES, Supervisor, _Run
+from workers.attempt import Attempt
+from workers.flush import RELAXED_FLUSHES
+from workers.supervisor import Supervisor
 
 ROLLUP_FIELDS = (
     "level",
@@ -190,7 +192,7 @@ def test_rows_a_database_crash_took_back_are_written_again_by_the_next_flush(
 ) -> None:
     job_id = claimed(db, api, "w1")
     supervisor = Supervisor(db, settings, worker_id="w1")
-    run = _Run(job_id=job_id, attempt=1)
+    run = Attempt(job_id=job_id, attempt=1)
     records = synthetic_history(3000, seed=13)
     for i in range(0, 2000, batch):
         run.pending = records[i : min(i + batch, 2000)]
@@ -218,7 +220,7 @@ def test_every_few_flushes_one_waits_for_the_disk_and_forgets_the_kept_rows(
 ) -> None:
     job_id = claimed(db, api, "w1")
     supervisor = Supervisor(db, settings, worker_id="w1")
-    run = _Run(job_id=job_id, attempt=1)
+    run = Attempt(job_id=job_id, attempt=1)
     records = synthetic_history(10 * (RELAXED_FLUSHES + 1), seed=14)
     for i in range(RELAXED_FLUSHES):
         run.pending = records[i * 10 : (i + 1) * 10]
@@ -299,7 +301,7 @@ def expected_counters(records: list[StepRecord], history_version: int = 0) -> di
     }
 
 
-def flush(supervisor: Supervisor, run: _Run, records: list[StepRecord], batch: int) -> None:
+def flush(supervisor: Supervisor, run: Attempt, records: list[StepRecord], batch: int) -> None:
     for i in range(0, len(records), batch):
         run.pending = records[i : i + batch]
         assert supervisor._sync(run)
@@ -311,7 +313,7 @@ def test_flushes_of_a_few_hundred_rows_leave_rollups_events_and_counters_exact(
 ) -> None:
     job_id = claimed(db, api, "w1")
     supervisor = Supervisor(db, settings, worker_id="w1")
-    run = _Run(job_id=job_id, attempt=1)
+    run = Attempt(job_id=job_id, attempt=1)
     # Across a level-2 block edge, with overflows, growth, NaN and infinite losses; a scale
     # change falls on the first step of a batch (333 * 3), where only the job's summary
     # knows the scale before it.
@@ -336,7 +338,7 @@ def test_a_worker_whose_lease_was_taken_over_writes_nothing_with_its_next_flush(
 ) -> None:
     job_id = claimed(db, api, "w1")
     supervisor = Supervisor(db, settings, worker_id="w1")
-    run = _Run(job_id=job_id, attempt=1)
+    run = Attempt(job_id=job_id, attempt=1)
     records = synthetic_history(1000, seed=22)
     flush(supervisor, run, records[:666], 333)
     with db.write() as s:  # w1's lease ran out and w2 reclaimed the job
@@ -370,7 +372,7 @@ def test_a_flush_on_a_connection_the_database_dropped_goes_again_on_a_new_one(
 ) -> None:
     job_id = claimed(db, api, "w1")
     supervisor = Supervisor(db, settings, worker_id="w1")
-    run = _Run(job_id=job_id, attempt=1)
+    run = Attempt(job_id=job_id, attempt=1)
     records = synthetic_history(999, seed=23)
     flush(supervisor, run, records[:666], 333)
     name = "halfway-worker w1"

@@ -199,7 +199,7 @@ def test_an_attempt_that_ends_after_its_lease_was_taken_over_writes_nothing_into
 ) -> None:
     """The outcome is recorded in a transaction of its own after the last renewal; if another
     worker reclaimed the job in between, neither the failure nor the requeue is ours."""
-    from workers.supervisor import Outcome, _Run
+    from workers.attempt import Attempt, Outcome
 
     sup = Supervisor(db, settings, trainer=fakes.trainer, worker_id="w")
     job_id = make_job(db, {})
@@ -210,7 +210,7 @@ def test_an_attempt_that_ends_after_its_lease_was_taken_over_writes_nothing_into
         job = s.get(Job, job_id)
         assert job is not None
         job.worker_id, job.attempt = "new-owner", 2
-    outcome = sup._record_outcome(_Run(job_id=job_id, attempt=1), Outcome("retry", "boom"))
+    outcome = sup._record_outcome(Attempt(job_id=job_id, attempt=1), Outcome("retry", "boom"))
     assert outcome.status == "lost"
     job = load(db, job_id)
     assert (job.status, job.worker_id, job.attempt, job.attempt_errors) == (

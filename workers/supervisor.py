@@ -11,91 +11,33 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
 from sqlalchemy.exc import DBAPIError
 
-from service import grants, history, jobs
+from service import grants, jobs
 from service.db import Database
-from service.heldflush import Held, HeldAppender
+from service.heldflush import HeldAppender
 from service.history import StepRecord
-from service.metrics import HISTORY_WRITE_LATENCY
 from service.settings import Settings
 from service.storage import open_storage
 from workers import checkpoints, child, gpus, sandbox
+from workers.attempt import Attempt, Outcome, decide
 from workers.context import ARTIFACT_VOLUME, disk_errors_explained
+from workers.flush import HistoryWriter
 from workers.launchers import Handle, Launcher, LocalLauncher, Trainer
-from workers.protocol import Done, JobError, Message
+from workers.protocol import JobError, Message
 from workers.staging import SHIP_SECONDS
 
 log = logging.getLogger("halfway.worker")
 
 
-DB_RETRY_MAX_SECONDS = 5.0
-# At most this many flushes in a row commit without waiting for the disk; the next one waits.
-RELAXED_FLUSHES = 8
-
-
 def new_worker_id(slot: str = "0") -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{slot}-{uuid.uuid4().hex[:6]}"
-
-
-@dataclass
-class Outcome:
-    """How one attempt ended, as the supervisor saw it."""
-
-    status: str  # succeeded | failed | cancelled | released | retry | lost
-    error: str | None = None
-
-
-@dataclass
-class _Run:
-    """The mutable state of one running attempt."""
-
-    job_id: int
-    attempt: int
-    resume_step: int | None = None  # the acknowledged checkpoint the attempt was given
-    missing_checkpoint: str | None = None  # why it started over instead, to record
-    pending: list[StepRecord] = field(default_factory=list)
-    updates: dict[str, Any] = field(default_factory=dict)
-    metrics: dict[str, Any] | None = None
-    new_warnings: list[str] = field(default_factory=list)
-    new_forensics: list[dict[str, Any]] = field(default_factory=list)
-    new_notes: list[str] = field(default_factory=list)
-    pid: int | None = None
-    placement: dict[str, str] = field(default_factory=dict)
-    truncate_at: int | None = None
-    steps_per_second: float | None = None
-    done: Done | None = None
-    started: bool = False
-    cancel_requested: bool = False
-    shutting_down: bool = False
-    lease_lost: bool = False
-    signalled_at: float | None = None
-    hang_error: str | None = None
-    death: str | None = None  # why the launcher lost the child (a Ray node died)
-    last_message: float = field(default_factory=time.monotonic)
-    last_sync: float = 0.0
-    next_db_try: float = 0.0
-    db_backoff: float = 0.25
-    db_down_since: float | None = None
-    # Rows committed without waiting for the disk (see _sync), kept until a commit that waits.
-    unsynced: list[StepRecord] = field(default_factory=list)
-    relaxed_flushes: int = 0
-    # Where the job's history ended after our last write, for the one-statement flush.
-    held: Held | None = None
-    # When the last renewal that succeeded was sent (monotonic): the lease holds until at
-    # least lease_seconds after it, and store writes are made only within that (the fence).
-    renewed_at: float = field(default_factory=time.monotonic)
-    shipped_at: float = 0.0
-    saved: list[str] = field(default_factory=list)  # files the child saved, to publish
 
 
 class Supervisor:
@@ -127,6 +69,9 @@ class Supervisor:
             HeldAppender(db.engine, f"halfway-worker {self.worker_id}")
             if db.dialect == "postgresql"
             else None
+        )
+        self.writer = HistoryWriter(
+            db, settings, self.worker_id, self.appender, self.storage.artifacts
         )
 
     # ---------------------------------------------------------------------------------------
@@ -228,7 +173,7 @@ class Supervisor:
         return self.gpu_ids[:count]
 
     def _run_claim(self, claim: jobs.Claim) -> Outcome:
-        run = _Run(job_id=claim.job_id, attempt=claim.attempt, resume_step=claim.checkpoint_step)
+        run = Attempt(job_id=claim.job_id, attempt=claim.attempt, resume_step=claim.checkpoint_step)
         if self.isolation.warning is not None and claim.spec.get("code"):
             run.new_warnings.append(self.isolation.warning)
         gpu_ids = self._gpus_for(claim.spec)
@@ -263,14 +208,14 @@ class Supervisor:
             handle.close()
         return self._finish(run, handle.exitcode, stored)
 
-    def _fenced(self, run: _Run) -> bool:
+    def _fenced(self, run: Attempt) -> bool:
         """Whether our lease certainly still holds, so a store write of this attempt's may be
         made: the database set it to expire lease_seconds after a renewal we sent at
         ``renewed_at`` or later (a margin covers the clocks' rates)."""
         held_for = time.monotonic() - run.renewed_at
         return not run.lease_lost and held_for < 0.8 * self.settings.lease_seconds
 
-    def _store_outputs(self, run: _Run, handle: Handle) -> Outcome | None:
+    def _store_outputs(self, run: Attempt, handle: Handle) -> Outcome | None:
         """The child's last log lines and saved files into the store, while the lease holds.
         If that fails, how the attempt ends instead: failed on a full store (a retry would
         fill it again), else retried (its checkpoint is stored)."""
@@ -292,7 +237,7 @@ class Supervisor:
             )
         return None
 
-    def _commit_checkpoint(self, run: _Run, handle: Handle, step: int) -> None:
+    def _commit_checkpoint(self, run: Attempt, handle: Handle, step: int) -> None:
         """Put the child's checkpoint into the store, then have it acknowledged with the next
         flush. Fenced like a history write: the lease is renewed first (with the rows the
         checkpoint covers), and an attempt that has lost its job, or cannot tell, writes
@@ -319,7 +264,7 @@ class Supervisor:
             return
         run.updates["checkpoint_step"] = step
 
-    def _handle(self, run: _Run, msg: Message, handle: Handle) -> None:
+    def _handle(self, run: Attempt, msg: Message, handle: Handle) -> None:
         run.last_message = time.monotonic()
         if msg["type"] == "steps":
             run.pending.extend(StepRecord(*r) for r in msg["records"])
@@ -368,7 +313,7 @@ class Supervisor:
         elif msg["type"] == "done":
             run.done = msg
 
-    def _tick(self, run: _Run, process: Handle) -> None:
+    def _tick(self, run: Attempt, process: Handle) -> None:
         now = time.monotonic()
         s = self.settings
         if not process.started():
@@ -403,215 +348,14 @@ class Supervisor:
             )
             process.kill()
 
-    def _sync(self, run: _Run) -> bool:
-        """Write pending history and updates and renew the lease, in one transaction. Returns
-        False if the database was unreachable (everything stays pending for the next try)."""
-        pending = run.pending
-        started = time.perf_counter()
-        sent_at = time.monotonic()
-        # A flush that carries only history need not wait for the disk (PostgreSQL's commit
-        # fsync costs more than the write itself): if the database crashes before those rows
-        # reach the disk they are gone from it, but not from here. They are kept until a
-        # commit that waits (every RELAXED_FLUSHES-th, and any carrying more than history:
-        # an acknowledged checkpoint, a truncation, the job's end), which makes every earlier
-        # commit durable too; a flush that finds the job's last step behind them writes them
-        # again.
-        relaxed = (
-            run.relaxed_flushes < RELAXED_FLUSHES
-            and run.truncate_at is None
-            and not run.updates
-            and run.metrics is None
-            and not run.new_warnings
-            and not run.new_forensics
-        )
-        held = self._append_held(run, pending, durable=not relaxed)
-        if held is None:
-            try:
-                held = self._write(run, pending, durable=not relaxed)
-            except DBAPIError as exc:
-                if run.db_down_since is None:
-                    run.db_down_since = time.monotonic()
-                    log.warning(
-                        "job %s: database write failed, keeping %d rows: %s",
-                        run.job_id,
-                        len(pending),
-                        exc.orig,
-                        extra=self._context(run.job_id),
-                    )
-                run.next_db_try = time.monotonic() + run.db_backoff
-                run.db_backoff = min(run.db_backoff * 2, DB_RETRY_MAX_SECONDS)
-                return False
-            if held is None:
-                run.lease_lost = True
-                return True
-        run.held = held
-        run.renewed_at = sent_at
-        HISTORY_WRITE_LATENCY.observe(time.perf_counter() - started)
-        acknowledged = run.updates.get("checkpoint_step")
-        if acknowledged is not None:
-            checkpoints.prune(self.storage.artifacts, str(run.job_id), acknowledged)
-        if run.db_down_since is not None:
-            log.info(
-                "job %s: database back, wrote %d pending rows",
-                run.job_id,
-                len(pending),
-                extra=self._context(run.job_id),
-            )
-        run.db_down_since = None
-        run.db_backoff = 0.25
-        run.pending = run.pending[len(pending) :]
-        if relaxed:
-            run.unsynced += pending  # ``lost`` is a tail of ``unsynced`` already
-            run.relaxed_flushes += 1
-        else:
-            run.unsynced = []
-            run.relaxed_flushes = 0
-        run.updates = {}
-        run.metrics = None
-        run.new_warnings = []
-        run.new_forensics = []
-        run.new_notes = []
-        run.truncate_at = None
-        run.missing_checkpoint = None
-        run.last_sync = time.monotonic()
-        return True
-
-    def _append_held(self, run: _Run, pending: list[StepRecord], *, durable: bool) -> Held | None:
-        """The common flush, history only, in one statement on the supervisor's own
-        connection (``heldflush.HeldAppender``). None when it cannot or did not write: the
-        general path (``_write``) then runs, and tells a lost lease from a history that is
-        not where we left it."""
-        if (
-            self.appender is None
-            or run.held is None
-            or run.truncate_at is not None
-            or run.missing_checkpoint is not None
-            or run.updates
-            or run.metrics is not None
-            or run.new_warnings
-            or run.new_forensics
-            or run.new_notes
-        ):
-            return None
-        try:
-            written = self.appender.append(
-                job_id=run.job_id,
-                worker_id=self.worker_id,
-                lease_seconds=self.settings.lease_seconds,
-                held=run.held,
-                records=pending,
-                steps_per_second=run.steps_per_second,
-                durable=durable,
-            )
-        except psycopg.OperationalError as exc:  # the general path meets it too, and says so
-            log.debug("job %s: one-statement flush failed: %s", run.job_id, exc)
-            return None
-        except psycopg.Error as exc:  # not an outage: a fault of the statement itself
-            log.warning(
-                "job %s: one-statement flush failed, taking the general path: %s",
-                run.job_id,
-                exc,
-                extra=self._context(run.job_id),
-            )
-            return None
-        if written is None:
-            return None
-        run.cancel_requested = run.cancel_requested or written.cancel_requested
-        return written.held
-
-    def _write(self, run: _Run, pending: list[StepRecord], *, durable: bool) -> Held | None:
-        """The general flush: renew the lease, load the job, write what is pending, in one
-        transaction. None if the lease is not ours any more; else where the history ends."""
-        with self.db.write() as session:
-            job = jobs.renew_and_load(
-                session,
-                job_id=run.job_id,
-                worker_id=self.worker_id,
-                lease_seconds=self.settings.lease_seconds,
-            )
-            if job is None:
-                return None
-            run.cancel_requested = run.cancel_requested or job.cancel_requested
-            now = job.updated_at  # the database's clock
-            if run.missing_checkpoint is not None:
-                job.notes = [*job.notes, run.missing_checkpoint]
-                job.attempt_errors = [
-                    *job.attempt_errors,
-                    {
-                        "attempt": run.attempt,
-                        "error": run.missing_checkpoint,
-                        "at": now.isoformat(),
-                    },
-                ]
-            stored = -1 if job.last_step is None else job.last_step
-            lost = [r for r in run.unsynced if r.step > stored]
-            if lost:
-                log.warning(
-                    "job %s: the database lost %d committed rows (a crash before they "
-                    "reached its disk); writing them again",
-                    run.job_id,
-                    len(lost),
-                    extra=self._context(run.job_id),
-                )
-            if run.truncate_at is not None:
-                history.truncate_after(session, job, run.truncate_at)
-            for key, value in run.updates.items():
-                setattr(job, key, value)
-            if run.metrics is not None:
-                job.metrics = {**job.metrics, **run.metrics}
-            if run.new_forensics:
-                # A resumed attempt may capture a step again; keep one report per step.
-                seen = {f["step"] for f in job.forensics}
-                job.forensics = [
-                    *job.forensics,
-                    *(f for f in run.new_forensics if f["step"] not in seen),
-                ]
-            if run.new_notes:
-                job.notes = [*job.notes, *(n for n in run.new_notes if n not in job.notes)]
-            if run.new_warnings:
-                job.warnings = [
-                    *job.warnings,
-                    *(w for w in run.new_warnings if w not in job.warnings),
-                ]
-            history.write_steps(
-                session,
-                job,
-                lost + pending,
-                now=now,
-                steps_per_second=run.steps_per_second,
-                durable=durable,
-            )
-            return Held.of(job)
+    def _sync(self, run: Attempt) -> bool:
+        return self.writer.sync(run)
 
     # ---------------------------------------------------------------------------------------
     # The end of an attempt
 
-    def _decide(self, run: _Run, exitcode: int | None) -> Outcome:
-        done = run.done
-        if run.hang_error is not None:
-            return Outcome("failed", run.hang_error)
-        if done is not None and done["status"] == "succeeded":
-            return Outcome("succeeded")
-        if run.cancel_requested:
-            return Outcome("cancelled")
-        if run.shutting_down:
-            return Outcome("released")
-        if done is not None and done["status"] == "failed":
-            return Outcome("retry" if done["retryable"] else "failed", done["error"])
-        if done is not None and done["status"] == "cancelled":
-            return Outcome("retry", "the training process was stopped by SIGTERM")
-        if run.death is not None:
-            return Outcome("retry", run.death)
-        if exitcode is not None and exitcode < 0:
-            try:
-                name = signal.Signals(-exitcode).name
-            except ValueError:
-                name = "unknown"
-            return Outcome("retry", f"training process killed by signal {-exitcode} ({name})")
-        return Outcome("retry", f"training process exited with code {exitcode} without a result")
-
-    def _finish(self, run: _Run, exitcode: int | None, stored: Outcome | None) -> Outcome:
-        outcome = self._decide(run, exitcode)
+    def _finish(self, run: Attempt, exitcode: int | None, stored: Outcome | None) -> Outcome:
+        outcome = decide(run, exitcode)
         if stored is not None and outcome.status == "succeeded":
             outcome = stored
         # Keep trying until the database takes the final state: the history we hold is the
@@ -627,7 +371,7 @@ class Supervisor:
                 log.warning("job %s: could not record the outcome yet: %s", run.job_id, exc.orig)
                 time.sleep(1.0)
 
-    def _record_outcome(self, run: _Run, outcome: Outcome) -> Outcome:
+    def _record_outcome(self, run: Attempt, outcome: Outcome) -> Outcome:
         lost = Outcome("lost", "the job was no longer ours when it ended")
         with self.db.write() as session:
             if (
