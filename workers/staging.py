@@ -223,7 +223,7 @@ def stage(
     return Staged(
         scratch=files.scratch,
         data=data_dir_for(storage, spec, data_cache),
-        bundle=bundle_for(storage, spec, code_cache),
+        bundle=bundle_for(storage, spec, code_cache, files.scratch / LOG),
         resume_step=resumed,
     )
 
@@ -247,16 +247,24 @@ def data_dir_for(storage: Storage, spec: dict[str, Any], cache: Path) -> Path:
     return cache
 
 
-def bundle_for(storage: Storage, spec: dict[str, Any], cache: Path) -> Path | None:
+def bundle_for(
+    storage: Storage, spec: dict[str, Any], cache: Path, log: Path | None = None
+) -> Path | None:
     """The job's code bundle in this host's cache (fetched from the store and checked against
-    its digest), or None for a job without code."""
+    its digest), or None for a job without code. ``log`` is told where it came from."""
     bundle = (spec.get("code") or {}).get("bundle")
     if bundle is None:
         return None
+    fetched = not (cache / code.hex_of(bundle)).is_dir()
     try:
-        return codestore.fetch(storage.code, cache, bundle)
+        tree = codestore.fetch(storage.code, cache, bundle)
     except (codestore.BundleCorrupt, NotFound) as exc:
         raise JobError(exc.message) from None
+    if fetched and log is not None:
+        where = storage.code.url(codestore.key_for(bundle))
+        with open(log, "a") as f:
+            f.write(f"halfway: code bundle {bundle} fetched from {where}\n")
+    return tree
 
 
 def bundle_hex(spec: dict[str, Any]) -> str | None:
