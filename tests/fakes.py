@@ -47,9 +47,10 @@ def _write_checkpoint(payload: dict[str, Any], step: int) -> None:
 def _attempt_of_a_plan(payload: dict[str, Any], conn: Connection, plan: list[Any]) -> None:
     """One attempt of a job that crashes and resumes: ``plan[attempt - 1]`` says up to which
     step it trains (from the acknowledged checkpoint the supervisor hands it), where its
-    gradients overflow, where it checkpoints, what file it waits for before going on, and how
-    it ends (``crash``: SIGKILL; ``succeed``). Each attempt's losses differ, as a resumed
-    run's do when its data order or dropout differs."""
+    gradients overflow, where it checkpoints, what file it waits for before going on (and
+    what it checkpoints once the file is there), and how it ends (``crash``: SIGKILL;
+    ``succeed``). Each attempt's losses differ, as a resumed run's do when its data order or
+    dropout differs."""
     attempt = payload["attempt"]
     step_plan = plan[attempt - 1]
     start = payload["resume_step"] or 0
@@ -74,6 +75,9 @@ def _attempt_of_a_plan(payload: dict[str, Any], conn: Connection, plan: list[Any
     wait_for = step_plan.get("wait_for")
     while wait_for and not (Path(payload["data_dir"]) / wait_for).exists():
         time.sleep(0.02)
+    if (late := step_plan.get("checkpoint_after_wait")) is not None:
+        _write_checkpoint(payload, late)
+        conn.send({"type": "checkpoint", "step": late})
     if step_plan.get("then") == "crash":
         time.sleep(0.5)  # the supervisor commits what was sent, as it would have by now
         os.kill(os.getpid(), signal.SIGKILL)
@@ -117,6 +121,12 @@ def trainer(payload: dict[str, Any], conn: Connection) -> None:
         conn.send(
             {"type": "done", "status": "failed", "error": "ValueError: boom", "retryable": True}
         )
+        return
+    if mode == "saves_link":
+        # A "model" that is a link to a file of the server's: its host must not copy it.
+        (Path(payload["job_dir"]) / "model.keras").symlink_to(fake["target"])
+        conn.send({"type": "saved", "names": ["model.keras"]})
+        conn.send({"type": "done", "status": "succeeded", "error": None, "retryable": False})
         return
     if mode == "job_error":
         conn.send({"type": "done", "status": "failed", "error": "bad data", "retryable": False})

@@ -31,7 +31,7 @@ from workers.context import ARTIFACT_VOLUME, disk_errors_explained
 from workers.flush import HistoryWriter
 from workers.launchers import Handle, Launcher, LocalLauncher, Trainer
 from workers.protocol import JobError, Message
-from workers.staging import SHIP_SECONDS
+from workers.staging import SHIP_SECONDS, UnsafeOutput
 
 log = logging.getLogger("halfway.worker")
 
@@ -231,6 +231,8 @@ class Supervisor:
                     handle.publish(run.saved)
         except JobError as exc:
             return Outcome("failed", str(exc))
+        except UnsafeOutput as exc:  # a link to a file of the server's, say: never a retry
+            return Outcome("failed", f"the job's output was refused: {exc}")
         except Exception as exc:
             return Outcome(
                 "retry", f"could not store the job's outputs: {type(exc).__name__}: {exc}"
