@@ -2,8 +2,9 @@
 ``HALFWAY_CODE_JOBS`` says whose by default (``admins``, every ``members``, or nobody:
 ``off``), and an admin can grant it to one member (``halfway users grant NAME code``).
 
-This is trust between teammates, not a sandbox: whoever holds the right can run anything
-the worker's user can.
+What the code can then reach is the sandbox's to limit (``workers/sandbox.py``): with
+isolation on, its own inputs and scratch folder and the slot's GPUs, nothing of the server's.
+So the right means "may spend the team's hardware on their own code".
 
 The right is checked on each request that uploads or submits code, and again when a worker
 claims a code job (``code_refusal``): a right taken away while the job waited in the queue
