@@ -6,6 +6,10 @@
 #
 # The default command runs the API only, on 0.0.0.0 with token auth (`halfway serve` refuses
 # --no-auth off loopback); the worker overrides it with `halfway worker --gpus all`.
+#
+# A container that trains (`halfway worker`, or `halfway serve` without --no-worker) runs each
+# job under bubblewrap, which Docker's defaults forbid: give it the security options the
+# worker has in docker-compose.yml (docs/operating-isolation.md says why each is needed).
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -27,10 +31,20 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# bubblewrap (Debian's, not setuid): every training child runs in namespaces of its own, made
+# by the unprivileged worker (workers/sandbox.py).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/* \
+    && bwrap --version
+
+# Every folder a named volume is mounted on exists here, so the volume starts owned by halfway
+# (a volume mounted where the image has no folder starts owned by root, and is unwritable).
 RUN groupadd --system --gid 10001 halfway \
     && useradd --system --uid 10001 --gid halfway --home-dir /var/lib/halfway \
         --no-create-home --shell /usr/sbin/nologin halfway \
     && mkdir -p /var/lib/halfway/data /var/lib/halfway/artifacts /var/lib/halfway/keras \
+        /var/lib/halfway/code \
     && chown -R halfway:halfway /var/lib/halfway
 
 # Dependencies first, from pyproject.toml alone: editing the source does not reinstall
@@ -51,6 +65,20 @@ RUN set -eu; \
 # Then the project itself (a few hundred kB), without touching the dependencies.
 COPY --from=wheel /wheels /tmp/wheels
 RUN pip install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels
+
+# The job sandbox binds this Python installation (interpreter, TensorFlow, Halfway) read-only
+# into each job, where the job owns none of it: every folder must be searchable and every file
+# readable by others, or a job fails on an import. pip honours the build's umask (022); this
+# fails the build if anything slipped through. Nothing secret is ever installed here.
+RUN set -eu; \
+    prefix=$(python -c 'import sys; print(sys.prefix)'); \
+    unreadable=$(find "$prefix" \( -type d ! -perm -o=rx \) \
+        -o \( ! -type d ! -type l ! -perm -o=r \) | head -n 5); \
+    if [ -n "$unreadable" ]; then \
+        echo "not readable inside the job sandbox (others need r, folders r-x):" >&2; \
+        echo "$unreadable" >&2; \
+        exit 1; \
+    fi
 
 # Named volumes mounted on data/ and artifacts/ start with this ownership.
 ENV HALFWAY_HOME=/var/lib/halfway \

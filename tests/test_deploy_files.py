@@ -1051,3 +1051,254 @@ def test_compose_client_accepts_the_object_store_profile(tmp_path: Path) -> None
         got = service_environment(resolved["services"][name])
         assert got["HALFWAY_STORAGE_URL"] == "s3://halfway/team"
         assert got["AWS_SECRET_ACCESS_KEY"] == "s3-secret-for-this-test"
+
+
+# --- the job sandbox: bubblewrap in the image, and what it needs from Docker -------------------
+
+GUIDE = ROOT / "docs" / "operating-isolation.md"
+# What bubblewrap needs from Docker to make a job's sandbox, and what offsets it (the guide says
+# why each): the security options of every service that trains, with Compose's defaults.
+SANDBOX_SECURITY_OPTS = {
+    "seccomp=unconfined",
+    "apparmor=unconfined",
+    "systempaths=unconfined",
+    "no-new-privileges=true",
+}
+DEFAULT_INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*):-([^}]*)\}")
+
+
+def with_defaults(value: str) -> str:
+    """A compose value as Compose resolves it when none of its variables is set."""
+    return DEFAULT_INTERPOLATION.sub(lambda m: m.group(2), value)
+
+
+def trains(service: dict[str, Any]) -> bool:
+    """Whether the service's command runs training children: a worker, or an API with its
+    embedded worker (``serve`` without ``--no-worker``)."""
+    argv = argv_of(service.get("entrypoint")) + argv_of(service.get("command"))
+    if not argv or Path(argv[0]).name != "halfway":
+        return False
+    path = command_path(argv)
+    return path == ("worker",) or (path == ("serve",) and "--no-worker" not in argv)
+
+
+def training_services(services: dict[str, dict[str, Any]]) -> list[str]:
+    return sorted(name for name, service in services.items() if trains(service))
+
+
+def test_services_that_train_are_found_by_their_command(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    assert trains({"command": ["halfway", "worker", "--gpus", "all"]})
+    assert trains({"command": "halfway serve --host 0.0.0.0"})
+    assert not trains({"command": ["halfway", "serve", "--host", "0.0.0.0", "--no-worker"]})
+    assert not trains({"command": ["halfway", "db", "upgrade"]})
+    assert not trains({"image": "postgres:16"})
+    assert {"worker", "worker-cpu"} <= set(training_services(services))
+    assert not {"api", "migrate"} & set(training_services(services))
+
+
+def test_services_that_train_require_bubblewrap_and_get_the_rights_it_needs_and_no_more(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    for name in training_services(services):
+        service = services[name]
+        # Required, not auto: a host where the sandbox cannot be made stops the worker.
+        assert service_environment(service).get("HALFWAY_CODE_ISOLATION") == "bubblewrap", name
+        options = [str(o) for o in service.get("security_opt") or []]
+        assert {with_defaults(o) for o in options} == SANDBOX_SECURITY_OPTS, (name, options)
+        assert len(options) == len(SANDBOX_SECURITY_OPTS), (name, options)
+        assert not service.get("privileged"), name
+        assert not service.get("cap_add"), f"{name}: bubblewrap needs no capability"
+        assert "ALL" in (service.get("cap_drop") or []), name
+
+
+def test_services_that_do_not_train_get_none_of_the_sandbox_rights(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    others = [n for n in HALFWAY_SERVICES if n not in training_services(services)]
+    assert "api" in others and "migrate" in others
+    for name in others:
+        service = services[name]
+        assert not service.get("security_opt"), name
+        assert not service.get("privileged") and not service.get("cap_add"), name
+        assert "HALFWAY_CODE_ISOLATION" not in service_environment(service), name
+
+
+def test_the_image_installs_debians_bubblewrap_as_root(dockerfile: list[Instruction]) -> None:
+    stage = runtime_stage(dockerfile)
+    user = max(n for n, i in enumerate(stage) if i.keyword == "USER")
+    installs = [
+        (n, i)
+        for n, i in enumerate(stage)
+        if i.keyword == "RUN" and re.search(r"apt-get install[^;&|]*\bbubblewrap\b", i.args)
+    ]
+    assert installs, "the runtime image does not apt-get install bubblewrap"
+    n, step = installs[0]
+    assert n < user, "apt-get after USER runs as the unprivileged user"
+    assert "apt-get update" in step.args and "--no-install-recommends" in step.args, step.args
+    assert "rm -rf /var/lib/apt/lists" in step.args, "apt lists left in the image"
+
+
+def readability_step(dockerfile: list[Instruction]) -> tuple[int, Instruction]:
+    stage = runtime_stage(dockerfile)
+    steps = [
+        (n, i)
+        for n, i in enumerate(stage)
+        if i.keyword == "RUN" and "sys.prefix" in i.args and "find" in i.args
+    ]
+    assert len(steps) == 1, "expected one RUN that checks the Python installation is readable"
+    return steps[0]
+
+
+def run_readability_step(dockerfile: list[Instruction], prefix: Path, tmp: Path) -> tuple[int, str]:
+    """Run the Dockerfile's readability check with /bin/sh, ``python`` answering ``prefix`` as
+    its sys.prefix."""
+    _, step = readability_step(dockerfile)
+    bin_dir = tmp / "readable-bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "python").write_text(f"#!/bin/sh\necho '{prefix}'\n")
+    (bin_dir / "python").chmod(0o755)
+    result = subprocess.run(
+        ["/bin/sh", "-c", step.args],
+        env={"PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return result.returncode, result.stderr
+
+
+def test_the_build_fails_if_the_sandbox_could_not_read_the_python_installation(
+    dockerfile: list[Instruction], tmp_path: Path
+) -> None:
+    """The sandbox binds sys.prefix read-only into jobs that own none of it."""
+    stage = runtime_stage(dockerfile)
+    index, _ = readability_step(dockerfile)
+    installs = [n for n, i in enumerate(stage) if i.keyword == "RUN" and "pip install" in i.args]
+    assert installs and index > max(installs), "the check must follow every pip install"
+
+    prefix = tmp_path / "prefix"
+    package = prefix / "lib" / "python3.11" / "site-packages" / "pkg"
+    package.mkdir(parents=True)
+    module = package / "__init__.py"
+    module.write_text("")
+    (prefix / "bin").mkdir()
+    (prefix / "bin" / "python3").symlink_to("/nowhere")  # a link's own mode does not count
+    for folder in (prefix, *prefix.rglob("*")):
+        if folder.is_dir() and not folder.is_symlink():
+            folder.chmod(0o755)
+    module.chmod(0o644)
+    assert run_readability_step(dockerfile, prefix, tmp_path) == (0, "")
+
+    module.chmod(0o640)
+    code, stderr = run_readability_step(dockerfile, prefix, tmp_path)
+    assert code != 0 and str(module) in stderr, stderr
+    module.chmod(0o644)
+    package.chmod(0o750)
+    code, stderr = run_readability_step(dockerfile, prefix, tmp_path)
+    assert code != 0 and str(package) in stderr, stderr
+    package.chmod(0o755)
+
+
+def mkdir_targets(instructions: list[Instruction]) -> set[str]:
+    """The folders ``mkdir`` makes in these RUN instructions."""
+    made: set[str] = set()
+    for i in instructions:
+        if i.keyword != "RUN":
+            continue
+        words = shlex.split(i.args)
+        for n, word in enumerate(words):
+            if word != "mkdir":
+                continue
+            for arg in words[n + 1 :]:
+                if arg in ("&&", "||", ";", "|"):
+                    break
+                if not arg.startswith("-"):
+                    made.add(arg.rstrip(";"))
+                if arg.endswith(";"):
+                    break
+    return made
+
+
+def test_every_named_volume_of_a_halfway_service_starts_owned_by_halfway(
+    compose: dict[str, Any], services: dict[str, dict[str, Any]], dockerfile: list[Instruction]
+) -> None:
+    """Docker copies a folder's ownership into a new named volume only if the image has that
+    folder; a volume mounted anywhere else starts owned by root, unwritable by the image's
+    user (the code volume was, before the image made its folder)."""
+    stage = runtime_stage(dockerfile)
+    user = max(n for n, i in enumerate(stage) if i.keyword == "USER")
+    made = mkdir_targets(stage[:user])
+    home = dockerfile_env(dockerfile)["HALFWAY_HOME"]
+    named = set(compose.get("volumes") or {})
+    for name in HALFWAY_SERVICES:
+        for target, source in mounts(services[name]).items():
+            if source in named:
+                assert target in made, f"{name}: {target} is not made by the image"
+                assert Path(target).is_relative_to(home), f"{target} is not under {home}"
+
+
+def resolved_compose(
+    client: list[str], tmp: Path, extra_env: dict[str, str]
+) -> dict[str, dict[str, Any]]:
+    """The services as the Compose client resolves them (merge keys, interpolation)."""
+    empty_env_file = tmp / "empty.env"
+    empty_env_file.write_text("")
+    argv = [*client, "--env-file", str(empty_env_file), "-f", str(COMPOSE_FILE)]
+    argv += ["--profile", "cpu", "config"]
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": str(tmp),
+        "POSTGRES_PASSWORD": "only-for-this-test",
+        **extra_env,
+    }
+    full = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    resolved = yaml.safe_load(full.stdout)
+    assert isinstance(resolved, dict), full.stderr
+    result = resolved["services"]
+    assert isinstance(result, dict)
+    return result
+
+
+def test_compose_client_gives_the_sandbox_rights_to_the_workers_only(tmp_path: Path) -> None:
+    client = compose_client()
+    assert client is not None or not os.environ.get("CI"), "no Docker Compose client in CI"
+    if client is None:
+        pytest.skip("no Docker Compose client on PATH (.ci/run installs docker-compose)")
+    resolved = resolved_compose(client, tmp_path, {})
+    for name in ("worker", "worker-cpu"):
+        service = resolved[name]
+        assert set(service["security_opt"]) == SANDBOX_SECURITY_OPTS, name
+        env = service_environment(service)
+        assert env["HALFWAY_CODE_ISOLATION"] == "bubblewrap", name
+        # The merge kept the shared settings and secrets next to the worker's own.
+        assert env["PGPASSWORD"] == "only-for-this-test", name
+        assert env["HALFWAY_CODE_DIR"] == "/var/lib/halfway/code", name
+    for name in ("api", "migrate"):
+        assert not resolved[name].get("security_opt"), name
+        assert "HALFWAY_CODE_ISOLATION" not in service_environment(resolved[name]), name
+    # A host's own AppArmor profile (Ubuntu 23.10+, see the guide) replaces unconfined.
+    custom = resolved_compose(client, tmp_path, {"WORKER_APPARMOR_PROFILE": "halfway-worker"})
+    options = set(custom["worker"]["security_opt"])
+    assert "apparmor=halfway-worker" in options and "apparmor=unconfined" not in options
+
+
+def test_the_operating_guide_explains_every_sandbox_option_and_quotes_the_workers_error(
+    services: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers import sandbox
+
+    text = " ".join(GUIDE.read_text().split())
+    for option in SANDBOX_SECURITY_OPTS:
+        assert f"`{option}`" in text, option
+    for name in training_services(services):
+        for option in services[name]["security_opt"]:
+            for variable, _ in DEFAULT_INTERPOLATION.findall(str(option)):
+                assert variable in text, f"the guide does not say what {variable} is for"
+    monkeypatch.setattr(sandbox, "probe", lambda: "<what stopped bwrap>")
+    with pytest.raises(sandbox.IsolationUnavailable) as raised:
+        sandbox.resolve("bubblewrap")
+    before, after = str(raised.value).split("<what stopped bwrap>")
+    assert " ".join(before.split()) in text, before
+    assert " ".join(after.split()) in text, after
