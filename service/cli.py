@@ -126,7 +126,7 @@ def serve(
                 err=True,
             )
 
-    supervisor = Supervisor(db, settings) if worker else None
+    supervisor = _supervisors(lambda: [Supervisor(db, settings)])[0] if worker else None
     thread: threading.Thread | None = None
 
     def start() -> None:
@@ -213,10 +213,12 @@ def worker(
     if launcher == "ray":
         supervisors = _ray_supervisors(db, settings, ray_address, max_jobs, ray_cpus_per_job)
     else:
-        supervisors = [
-            Supervisor(db, settings, gpu_ids=group, worker_id=new_worker_id(f"s{i}"))
-            for i, group in enumerate(groups)
-        ]
+        supervisors = _supervisors(
+            lambda: [
+                Supervisor(db, settings, gpu_ids=group, worker_id=new_worker_id(f"s{i}"))
+                for i, group in enumerate(groups)
+            ]
+        )
     threads = [
         threading.Thread(target=s.run_forever, name=f"halfway-worker-{i}", daemon=True)
         for i, s in enumerate(supervisors)
@@ -238,6 +240,18 @@ def worker(
         s.stop()
     for t in threads:
         t.join(timeout=settings.cancel_grace_seconds + 15)
+
+
+def _supervisors(make: Callable[[], list[Supervisor]]) -> list[Supervisor]:
+    """The supervisors ``make`` builds, or a clear refusal when the sandbox that
+    HALFWAY_CODE_ISOLATION=bubblewrap requires cannot be made on this host."""
+    from workers.sandbox import IsolationUnavailable
+
+    try:
+        return make()
+    except IsolationUnavailable as exc:
+        typer.echo(f"halfway: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _ray_supervisors(

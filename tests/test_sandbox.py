@@ -9,8 +9,11 @@ from __future__ import annotations
 import io
 import logging
 import os
+import subprocess
+import sys
 import tarfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +126,7 @@ def test_a_worker_without_isolation_says_so_at_start_and_on_every_code_job(
 
 def test_an_isolated_worker_announces_nothing(db: Database, settings: Settings) -> None:
     supervisor = Supervisor(db, settings, trainer=fakes.trainer)
-    assert supervisor.isolation.mode == "bubblewrap"
+    assert supervisor.isolation is not None and supervisor.isolation.mode == "bubblewrap"
     code_job = _code_job(db, settings)
     assert supervisor.run_once()
     job = load(db, code_job)
@@ -232,3 +235,48 @@ def test_a_checkpoint_of_an_attempt_holding_its_lease_is_committed_and_acknowled
     store = open_storage(settings.storage_config()).artifacts
     fetched = checkpoints.fetch(store, str(job_id), 20, Path(settings.home) / "check")
     assert fetched is not None and fetched.read_bytes() == b"fake checkpoint of step 20"
+
+
+# --------------------------------------------------------------------------------------------
+# The worker's command line
+
+
+def _worker(settings: Settings, tmp_path: Path, isolation: str) -> subprocess.Popen[str]:
+    """``halfway worker`` on a host without bubblewrap (a PATH that has no bwrap)."""
+    empty = tmp_path / "no-bwrap"
+    empty.mkdir(exist_ok=True)
+    env = {
+        "PATH": str(empty),
+        "HALFWAY_HOME": str(settings.home),
+        "HALFWAY_DATABASE_URL": settings.resolved_database_url(),
+        "HALFWAY_CODE_ISOLATION": isolation,
+    }
+    halfway = Path(sys.executable).parent / "halfway"
+    return subprocess.Popen([str(halfway), "worker"], env=env, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_worker_that_requires_bubblewrap_where_it_cannot_run_refuses_to_start(
+    settings: Settings, tmp_path: Path
+) -> None:
+    worker = _worker(settings, tmp_path, "bubblewrap")
+    _, err = worker.communicate(timeout=120)
+    assert worker.returncode == 2, err
+    assert "HALFWAY_CODE_ISOLATION=bubblewrap, but bwrap is not installed" in err
+
+
+def test_a_worker_on_auto_where_bubblewrap_cannot_run_starts_and_says_so(
+    settings: Settings, tmp_path: Path
+) -> None:
+    worker = _worker(settings, tmp_path, "auto")
+    try:
+        assert worker.stderr is not None
+        deadline = time.monotonic() + 120
+        seen = ""
+        while "without isolation" not in seen and time.monotonic() < deadline:
+            line = worker.stderr.readline()
+            assert line, f"the worker ended: {seen}"
+            seen += line
+        assert "training children run without isolation: auto, and bwrap is not installed" in seen
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)

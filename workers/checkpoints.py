@@ -14,10 +14,11 @@ newer ones, which are kept until a newer acknowledgement supersedes the old."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from service.storage import Store
 
@@ -39,25 +40,37 @@ def marker_key(prefix: str, step: int) -> str:
 
 def sha256(path: Path) -> str:
     with open(path, "rb") as f:
-        return _digest(f)[0]
+        reader = _Hashing(f)
+        while reader.read(1 << 20):
+            pass
+        return reader.digest.hexdigest()
 
 
-def _digest(f: IO[bytes]) -> tuple[str, int]:
-    digest, size = hashlib.sha256(), 0
-    while chunk := f.read(1 << 20):
-        digest.update(chunk)
-        size += len(chunk)
-    return digest.hexdigest(), size
+class _Hashing(io.RawIOBase):
+    """A reader that hashes and counts what passes through it, so a checkpoint is read once
+    while it is uploaded and its marker describes exactly the bytes the store got."""
+
+    def __init__(self, source: IO[bytes]) -> None:
+        self.source, self.digest, self.size = source, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.source.read(len(buffer))
+        buffer[: len(data)] = data
+        self.digest.update(data)
+        self.size += len(data)
+        return len(data)
 
 
 def commit(store: Store, prefix: str, step: int, source: IO[bytes]) -> None:
     """Upload the checkpoint's data, then its marker: the one write that makes it visible.
-    The marker describes the bytes read here, so data changed afterwards by whoever wrote
-    the file is caught on fetch."""
-    digest, size = _digest(source)
-    source.seek(0)
-    store.put_stream(data_key(prefix, step), source)
-    marker = {"step": step, "bytes": size, "sha256": digest}
+    The marker describes the bytes uploaded, so data changed afterwards by whoever wrote the
+    file (or in the store) is caught on fetch."""
+    reader = _Hashing(source)
+    store.put_stream(data_key(prefix, step), io.BufferedReader(reader, 1 << 20))
+    marker = {"step": step, "bytes": reader.size, "sha256": reader.digest.hexdigest()}
     store.put_bytes(marker_key(prefix, step), json.dumps(marker).encode())
 
 

@@ -58,10 +58,15 @@ class Supervisor:
         self.worker_id = worker_id or new_worker_id()
         self.gpu_ids = list(gpu_ids or [])
         self.memory_probe = memory_probe
-        self.isolation = sandbox.resolve(settings.code_isolation)
-        if self.isolation.warning is not None:
-            log.warning("training children run without isolation: %s", self.isolation.why)
-        self.launcher: Launcher = launcher or LocalLauncher(self.isolation)
+        # The sandbox is made where the child runs: here for the local launcher (a host that
+        # cannot make it is announced now, or refused), on each node for Ray's.
+        self.isolation: sandbox.Isolation | None = None
+        if launcher is None:
+            self.isolation = sandbox.resolve(settings.code_isolation)
+            if self.isolation.warning is not None:
+                log.warning("training children run without isolation: %s", self.isolation.why)
+            launcher = LocalLauncher(self.isolation)
+        self.launcher: Launcher = launcher
         self.storage = open_storage(settings.storage_config())
         self.stop_event = threading.Event()
         self.current_job: int | None = None
@@ -174,8 +179,9 @@ class Supervisor:
 
     def _run_claim(self, claim: jobs.Claim) -> Outcome:
         run = Attempt(job_id=claim.job_id, attempt=claim.attempt, resume_step=claim.checkpoint_step)
-        if self.isolation.warning is not None and claim.spec.get("code"):
-            run.new_warnings.append(self.isolation.warning)
+        warning = None if self.isolation is None else self.isolation.warning
+        if warning is not None and claim.spec.get("code"):
+            run.new_warnings.append(warning)
         gpu_ids = self._gpus_for(claim.spec)
         handle = self.launcher.start(
             self.trainer,
