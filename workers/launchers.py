@@ -118,15 +118,13 @@ class LocalHandle:
         self._ready = threading.Event()
         self._staged: staging.Staged | None = None
         self._trainer, self._payload = trainer, payload
-        threading.Thread(
-            target=self._start, args=(trainer, payload), name="halfway-stage", daemon=True
-        ).start()
+        threading.Thread(target=self._start, name="halfway-stage", daemon=True).start()
 
     # Starting -------------------------------------------------------------------------------
 
-    def _start(self, trainer: Trainer, payload: dict[str, Any]) -> None:
+    def _start(self) -> None:
         try:
-            self._staged = self._stage(payload)
+            self._staged = self._stage(self._payload)
         except JobError as exc:
             self._fail(str(exc), retryable=False)
         except Exception as exc:  # the store unreachable, a full disk: perhaps transient
@@ -156,49 +154,24 @@ class LocalHandle:
         receiver_fd, sender_fd = os.pipe()
         control_r, self._control = os.pipe()
         isolated = self.isolation.mode == "bubblewrap"
-        hex_ = staging.bundle_hex(payload["spec"])
-        job_dir = sandbox.JOB if isolated else staged.scratch
-        child = {
-            "trainer": trainer_name(trainer),
-            "message_fd": sender_fd,
-            "control_fd": control_r,
-            "job_id": payload["job_id"],
-            "attempt": payload["attempt"],
-            "spec": payload["spec"],
-            "gpu_ids": payload.get("gpu_ids") or [],
-            "flush_seconds": payload.get("flush_seconds", 0.5),
-            "resume_step": staged.resume_step,
-            "max_parameters": payload.get("max_parameters"),
-            "job_dir": str(job_dir),
-            "data_dir": str(sandbox.DATA if isolated else staged.data),
-            "code_dir": None
-            if staged.bundle is None
-            else str(sandbox.CODE if isolated else staged.bundle.parent),
-            "isolation_warning": self.isolation.warning,
-            # Outside a PID namespace the child checks that its parent is still us.
-            "parent_pid": None if isolated else os.getpid(),
-        }
+        child = self._child_payload(trainer, payload, staged, isolated)
+        child |= {"message_fd": sender_fd, "control_fd": control_r}
         roots = sandbox.code_roots([child["trainer"].partition(":")[0]])
         keras_home = _keras_datasets()
         env = sandbox.child_env(
             os.environ,
-            home=job_dir,
+            home=Path(child["job_dir"]),
             gpu_ids=child["gpu_ids"],
             extra={"PYTHONPATH": sandbox.python_path(roots)}
             | ({"KERAS_HOME": str(sandbox.KERAS)} if isolated and keras_home else {}),
         )
         argv = [sys.executable, "-m", "workers.entry"]
-        status_r = -1
         pass_fds = [sender_fd, control_r]
+        status_r = -1
         if isolated:
-            inputs = [(staged.data, sandbox.DATA)]
-            if staged.bundle is not None and hex_ is not None:
-                inputs.append((staged.bundle, sandbox.CODE / hex_))
-            if keras_home is not None:
-                inputs.append((keras_home, sandbox.KERAS / "datasets"))
-            mounts = sandbox.Mounts(staged.scratch, tuple(inputs), roots)
             status_r, status_w = os.pipe()
             pass_fds.append(status_w)
+            mounts = _mounts(staged, payload["spec"], roots, keras_home)
             argv = sandbox.command(argv, mounts)
             argv[1:1] = ["--json-status-fd", str(status_w)]
         try:
@@ -228,6 +201,28 @@ class LocalHandle:
         with contextlib.suppress(BrokenPipeError):
             self.process.stdin.write(json.dumps(child).encode())
         self.process.stdin.close()
+
+    def _child_payload(
+        self, trainer: Trainer, payload: dict[str, Any], staged: staging.Staged, isolated: bool
+    ) -> dict[str, Any]:
+        """What the child is told: plain data, its folders as it sees them, no credential."""
+        code_dir = None if staged.bundle is None else staged.bundle.parent
+        return {
+            "trainer": trainer_name(trainer),
+            "job_id": payload["job_id"],
+            "attempt": payload["attempt"],
+            "spec": payload["spec"],
+            "gpu_ids": payload.get("gpu_ids") or [],
+            "flush_seconds": payload.get("flush_seconds", 0.5),
+            "resume_step": staged.resume_step,
+            "max_parameters": payload.get("max_parameters"),
+            "job_dir": str(sandbox.JOB if isolated else staged.scratch),
+            "data_dir": str(sandbox.DATA if isolated else staged.data),
+            "code_dir": None if code_dir is None else str(sandbox.CODE if isolated else code_dir),
+            "isolation_warning": self.isolation.warning,
+            # Outside a PID namespace the child checks that its parent is still us.
+            "parent_pid": None if isolated else os.getpid(),
+        }
 
     # Watching -------------------------------------------------------------------------------
 
@@ -354,6 +349,20 @@ def _sandboxed_pid(status_fd: int, timeout: float = 60.0) -> int | None:
         line += chunk
     pid = json.loads(line.split(b"\n", 1)[0]).get("child-pid")
     return int(pid) if pid is not None else None
+
+
+def _mounts(
+    staged: staging.Staged, spec: dict[str, Any], roots: tuple[Path, ...], keras: Path | None
+) -> sandbox.Mounts:
+    """The job's folders in its sandbox: its scratch, and read-only its data, its own bundle
+    (never the whole cache) and the host's Keras dataset cache."""
+    inputs = [(staged.data, sandbox.DATA)]
+    hex_ = staging.bundle_hex(spec)
+    if staged.bundle is not None and hex_ is not None:
+        inputs.append((staged.bundle, sandbox.CODE / hex_))
+    if keras is not None:
+        inputs.append((keras, sandbox.KERAS / "datasets"))
+    return sandbox.Mounts(staged.scratch, tuple(inputs), roots)
 
 
 def _keras_datasets() -> Path | None:
