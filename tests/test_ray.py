@@ -5,6 +5,7 @@ the S3 store, so the nodes share nothing but the database and the store."""
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 import time
@@ -15,8 +16,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from service import code, codestore, grants
 from service.app import create_app
+from service.client import codepack
 from service.db import Database
+from service.dbclock import db_now
+from service.models import Job
 from service.settings import Settings
 from service.storage import open_storage
 from tests import fakes
@@ -113,8 +118,15 @@ def ray_api(ray_settings: Settings, db: Database, team: Team) -> Iterator[Api]:
 class Running:
     """A supervisor on the Ray launcher, in a thread, claiming until stopped."""
 
-    def __init__(self, db: Database, settings: Settings, cluster: RayCluster, **kw: Any) -> None:
-        self.supervisor = Supervisor(db, settings, launcher=cluster.launcher, **kw)
+    def __init__(
+        self,
+        db: Database,
+        settings: Settings,
+        cluster: RayCluster,
+        launcher: RayLauncher | None = None,
+        **kw: Any,
+    ) -> None:
+        self.supervisor = Supervisor(db, settings, launcher=launcher or cluster.launcher, **kw)
         self.thread = threading.Thread(target=self.supervisor.run_forever, daemon=True)
 
     def __enter__(self) -> Supervisor:
@@ -134,6 +146,62 @@ def job_of(api: Api, job_id: int) -> dict[str, Any]:
 
 def finished(api: Api, job_id: int) -> bool:
     return job_of(api, job_id)["status"] in ("succeeded", "failed", "cancelled")
+
+
+def queue_fake(db: Database, spec: dict[str, Any], *, code_right: bool = False) -> int:
+    """A job for the fake trainers, straight into the queue (the API refuses a ``fake``
+    section)."""
+    with db.write() as session:
+        if code_right:
+            grants.grant(session, "alice", "code")
+        job = Job(owner="alice", name="fake", spec=spec, status="queued")
+        session.add(job)
+        session.flush()
+        return job.id
+
+
+def lease_holds(db: Database, job_id: int) -> bool:
+    """Whether the job's lease is live on the database's clock: no other worker may take it."""
+    with db.read() as session:
+        job = session.get(Job, job_id)
+        now = session.scalar(db_now().select())
+        return bool(job and job.lease_expires_at and now and job.lease_expires_at > now)
+
+
+class Holder:
+    """Holds one CPU of the cluster while it lives: a cluster with no room."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def fill_the_cluster(cluster: RayCluster) -> list[Any]:
+    """An actor on every CPU of the cluster's worker nodes, placed."""
+    import ray
+
+    def cpus_of_live_nodes() -> dict[str, float]:
+        nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+        return {n["NodeID"]: n["Resources"].get("CPU", 0.0) for n in nodes if n["Alive"]}
+
+    workers = {n.node_id for n in cluster.cluster.worker_nodes}
+    # A node a test removed may still count as alive for a moment.
+    wait_until(
+        lambda: {k for k, v in cpus_of_live_nodes().items() if v} == workers,
+        60,
+        "Ray to see the worker nodes",
+    )
+    cpus = int(sum(cpus_of_live_nodes().values()))
+    holder: Any = ray.remote(num_cpus=1)(Holder)
+    holders = [holder.remote() for _ in range(cpus)]
+    assert ray.get([h.ready.remote() for h in holders], timeout=120) == [True] * cpus
+    return holders
+
+
+def release(holders: list[Any]) -> None:
+    import ray
+
+    for holder in holders:
+        ray.kill(holder, no_restart=True)
 
 
 pytestmark = pytest.mark.keras
@@ -164,13 +232,7 @@ def test_a_cancel_ends_a_ray_job_gracefully_or_by_ray_kill(
     ray_api: Api, db: Database, ray_settings: Settings, ray_cluster: RayCluster, mode: str
 ) -> None:
     spec = {"fake": {"mode": mode, "steps": 100_000, "interval": 0.05}}
-    with db.write() as session:
-        from service.models import Job
-
-        job = Job(owner="alice", name="fake", spec=spec, status="queued")
-        session.add(job)
-        session.flush()
-        job_id = job.id
+    job_id = queue_fake(db, spec)
     with Running(db, ray_settings, ray_cluster, trainer=fakes.trainer):
         wait_until(
             lambda: (job_of(ray_api, job_id)["summary"]["last_step"] or 0) >= 5,
@@ -297,3 +359,111 @@ def test_halfway_worker_on_ray_runs_max_jobs_at_once_on_different_nodes(
     assert jobs[0]["device"]["ray_node_id"] != jobs[1]["device"]["ray_node_id"]
     first, second = sorted(jobs, key=lambda j: j["started_at"])
     assert second["started_at"] < first["finished_at"]
+
+
+def test_a_node_stages_a_code_job_in_its_own_cache_not_at_the_supervisors_path(
+    ray_api: Api,
+    db: Database,
+    ray_settings: Settings,
+    ray_cluster: RayCluster,
+    tmp_path: Path,
+) -> None:
+    """Issue 23, item 7: a node's code cache and scratch are the ones its own environment
+    names (HALFWAY_CODE_DIR, HALFWAY_SCRATCH_DIR), never the supervisor's absolute paths,
+    which the node may not be able to write (they failed every attempt on a PermissionError)."""
+    node_code, node_scratch = tmp_path / "node-code", tmp_path / "node-scratch"
+    # The supervisor's code cache is a path no node can make: a file stands where one of
+    # its folders would (unwritable to root as well, which a read-only folder is not).
+    blocked = tmp_path / "supervisor-home"
+    blocked.write_text("a file, not a folder")
+    supervisor_settings = ray_settings.model_copy(update={"code_dir": blocked / "code"})
+    tree = tmp_path / "bundle"
+    (tree / "tiny").mkdir(parents=True)
+    (tree / "tiny" / "__init__.py").write_text("")
+    (tree / "tiny" / "model.py").write_text("def build(args):\n    return {}\n")
+    digest = codestore.upload(
+        io.BytesIO(codepack.pack(tree)),
+        open_storage(ray_settings.storage_config()).code,
+        tmp_path / "api-cache",
+        code.Limits(10**7, 1000, 100.0),
+    ).digest
+    spec = {"fake": {"steps": 10}, "code": {"bundle": digest, "entrypoint": "tiny.model:build"}}
+    job_id = queue_fake(db, spec, code_right=True)
+    # A node with two CPUs, started with an environment of its own (as a host's raylet is);
+    # jobs asking for two CPUs can only land there.
+    env = {"HALFWAY_CODE_DIR": str(node_code), "HALFWAY_SCRATCH_DIR": str(node_scratch)}
+    node = ray_cluster.cluster.add_node(**{**NODE, "num_cpus": 2}, env_vars=env)
+    ray_cluster.cluster.wait_for_nodes()
+    try:
+        launcher = RayLauncher(ray_cluster.cluster.address, cpus_per_job=2)
+        with Running(db, supervisor_settings, ray_cluster, launcher, trainer=fakes.trainer):
+            wait_until(lambda: finished(ray_api, job_id), 120, "the code job")
+    finally:
+        ray_cluster.cluster.remove_node(node)
+    job = job_of(ray_api, job_id)
+    assert job["status"] == "succeeded", (job["error"], job["attempt_errors"])
+    assert job["attempt"] == 1 and job["attempt_errors"] == []
+    assert job["device"]["ray_node_id"] == node.node_id
+    # The bundle is in the node's own cache, verified; nothing was made at the supervisor's.
+    hexdigest = code.hex_of(digest)
+    assert code.tree_digest(node_code / hexdigest) == hexdigest
+    assert blocked.read_text() == "a file, not a folder"
+    # The job's scratch was on the node's scratch, and is gone with the job.
+    assert (node_scratch / "jobs").is_dir()
+    assert list((node_scratch / "jobs").iterdir()) == []
+    log = ray_api.get(f"/v1/jobs/{job_id}/logs", params={"offset": 0}).text
+    assert f"code bundle {digest} fetched from" in log
+
+
+def test_a_job_ray_cannot_place_yet_waits_past_the_startup_timeout_and_runs_once_room_frees(
+    ray_api: Api, db: Database, ray_settings: Settings, ray_cluster: RayCluster
+) -> None:
+    """Issue 23, item 7: no CPU free anywhere, so Ray cannot place the job's actor. The
+    supervisor keeps the job (its lease renewed: no other worker takes it) however long
+    that lasts, past the startup timeout; the job is neither failed nor retried, and it runs
+    as soon as a CPU is free."""
+    settings = ray_settings.model_copy(update={"startup_timeout_seconds": 2, "lease_seconds": 3})
+    holders = fill_the_cluster(ray_cluster)
+    try:
+        job_id = queue_fake(db, {"fake": {"steps": 10}})
+        with Running(db, settings, ray_cluster, trainer=fakes.trainer):
+            wait_until(lambda: job_of(ray_api, job_id)["status"] == "running", 30, "the claim")
+            # Twice the lease and four times the startup timeout, looked at all along.
+            waited_until = time.monotonic() + 4 * settings.startup_timeout_seconds
+            while time.monotonic() < waited_until:
+                # Held (its lease live on the database's clock), not failed, not retried.
+                holds = lease_holds(db, job_id)
+                job = job_of(ray_api, job_id)
+                state = (job["status"], job["attempt"], job["attempt_errors"], holds)
+                assert state == ("running", 1, [], True), state
+                assert job["summary"]["last_step"] is None  # it has not run
+                time.sleep(0.3)
+            release(holders[:1])
+            wait_until(lambda: finished(ray_api, job_id), 120, "the job to run")
+    finally:
+        release(holders)
+    job = job_of(ray_api, job_id)
+    assert job["status"] == "succeeded", (job["error"], job["attempt_errors"])
+    assert job["attempt"] == 1 and job["attempt_errors"] == []
+    assert [r["step"] for r in all_history(ray_api, job_id)] == list(range(10))
+
+
+def test_a_job_waiting_for_room_on_ray_is_cancelled_at_once(
+    ray_api: Api, db: Database, ray_settings: Settings, ray_cluster: RayCluster
+) -> None:
+    """A cancel of a job whose actor Ray has not placed ends it within the grace period:
+    no call waits on an actor that does not exist yet."""
+    holders = fill_the_cluster(ray_cluster)
+    try:
+        job_id = queue_fake(db, {"fake": {"steps": 10}})
+        with Running(db, ray_settings, ray_cluster, trainer=fakes.trainer):
+            wait_until(lambda: job_of(ray_api, job_id)["status"] == "running", 30, "the claim")
+            asked = time.monotonic()
+            assert ray_api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
+            wait_until(lambda: finished(ray_api, job_id), 60, "the cancel")
+            took = time.monotonic() - asked
+    finally:
+        release(holders)
+    job = job_of(ray_api, job_id)
+    assert job["status"] == "cancelled" and job["attempt"] == 1, job
+    assert took < ray_settings.cancel_grace_seconds + 5, took

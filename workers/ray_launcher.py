@@ -116,7 +116,12 @@ class RayHandle:
                 ready, _ = ray.wait([self._started_ref], timeout=timeout)
                 if not ready:
                     return []
-                started = ray.get(self._started_ref)
+                try:
+                    started = ray.get(self._started_ref)
+                except ray.exceptions.RayTaskError as exc:
+                    # Placed, but the node could not host the child (bubblewrap required
+                    # and missing there): this attempt fails; another may land elsewhere.
+                    return self._start_failed(exc)
                 self._started_ref = None
                 self.placement = {"host": started["host"], "ray_node_id": started["node_id"]}
             messages, finished, code, pid, staged = ray.get(
@@ -128,8 +133,25 @@ class RayHandle:
         self._finished, self._exitcode, self.pid, self._staged = finished, code, pid, staged
         return list(messages)
 
+    def _start_failed(self, exc: BaseException) -> list[Message]:
+        cause = getattr(exc, "cause", None) or exc
+        self._started_ref = None
+        self._finished = True
+        error = f"the Ray node could not start the training: {type(cause).__name__}: {cause}"
+        return [{"type": "done", "status": "failed", "error": error, "retryable": True}]
+
     def started(self) -> bool:
         return self._started_ref is None and self._staged
+
+    def _placed(self) -> bool:
+        """Whether the actor has run ``start`` (a call to an actor Ray has not placed waits
+        for the placement: the supervisor must never make one)."""
+        import ray
+
+        if self._started_ref is None:
+            return True
+        ready, _ = ray.wait([self._started_ref], timeout=0)
+        return bool(ready)
 
     def _call(self, method: str, *args: Any, seconds: float = RAY_IO_SECONDS) -> None:
         import ray
@@ -140,7 +162,9 @@ class RayHandle:
         self._call("commit_checkpoint", step)
 
     def ship(self) -> None:
-        self._call("ship")
+        # Before the first poll that sees the actor placed, no child has run: nothing to ship.
+        if self._started_ref is None:
+            self._call("ship")
 
     def publish(self, names: list[str]) -> None:
         self._call("publish", names)
@@ -160,8 +184,9 @@ class RayHandle:
         the child to PR_SET_PDEATHSIG, which is as sure but not as prompt."""
         import ray
 
-        with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            ray.get(self.actor.kill.remote(), timeout=RAY_CALL_SECONDS)
+        if self._placed():  # else no child exists: there is nothing to wait for
+            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                ray.get(self.actor.kill.remote(), timeout=RAY_CALL_SECONDS)
         ray.kill(self.actor, no_restart=True)
         self._finished = True
 
@@ -173,7 +198,8 @@ class RayHandle:
         import ray
 
         with contextlib.suppress(Exception):
-            self._call("close", seconds=RAY_CALL_SECONDS)  # its scratch folder
+            if self._placed():
+                self._call("close", seconds=RAY_CALL_SECONDS)  # its scratch folder
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)
 
