@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from workers import entry, sandbox, staging
-from workers.protocol import JobError, Message
+from workers.protocol import JobError, Message, Started
 
 Trainer = Callable[[dict[str, Any], Connection], None]
 
@@ -264,7 +264,18 @@ class LocalHandle:
             self._drain(out)
             if self.pipe_open and not self.receiver.poll(0.5):
                 self.pipe_open = False
+        for message in out:
+            if message["type"] == "started":
+                self._announce(message)
         return out
+
+    def _announce(self, started: Started) -> None:
+        """A code job that ran without the sandbox says so among its warnings. Added here,
+        where the mode is known (on a Ray node, the node's), not by the child."""
+        warning = self.isolation.warning
+        if warning is not None and self._payload["spec"].get("code"):
+            device = started["device"]
+            device["warnings"] = [*device.get("warnings", []), warning]
 
     def alive(self) -> bool:
         if not self._ready.is_set() or self._waiting_to_spawn():

@@ -179,9 +179,6 @@ class Supervisor:
 
     def _run_claim(self, claim: jobs.Claim) -> Outcome:
         run = Attempt(job_id=claim.job_id, attempt=claim.attempt, resume_step=claim.checkpoint_step)
-        warning = None if self.isolation is None else self.isolation.warning
-        if warning is not None and claim.spec.get("code"):
-            run.new_warnings.append(warning)
         gpu_ids = self._gpus_for(claim.spec)
         handle = self.launcher.start(
             self.trainer,
