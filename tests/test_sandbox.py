@@ -280,3 +280,18 @@ def test_a_worker_on_auto_where_bubblewrap_cannot_run_starts_and_says_so(
     finally:
         worker.terminate()
         worker.wait(timeout=60)
+
+
+def test_an_attempt_removes_what_earlier_attempts_of_its_job_left_in_scratch(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A killed worker cannot clean up; the job's next attempt on that host does, and leaves
+    other jobs' folders alone."""
+    storage = open_storage(settings.storage_config())
+    root = tmp_path / "scratch"
+    for name in ("5-1", "5-2", "6-1", "55-1"):
+        (root / "jobs" / name / "tmp").mkdir(parents=True)
+    os.chmod(root / "jobs" / "5-1" / "tmp", 0o500)  # the child may leave it read-only
+    files = JobFiles.for_attempt(storage, 5, 3, root)
+    assert files.scratch == root / "jobs" / "5-3"
+    assert sorted(p.name for p in (root / "jobs").iterdir()) == ["5-3", "55-1", "6-1"]

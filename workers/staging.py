@@ -108,10 +108,12 @@ class JobFiles:
 
     @staticmethod
     def for_attempt(storage: Storage, job_id: int, attempt: int, scratch_root: Path) -> JobFiles:
-        # One folder per attempt: a killed attempt's leftovers never meet the next one's.
-        scratch = scratch_root / "jobs" / f"{job_id}-{attempt}"
-        if scratch.exists():
-            remove_tree(scratch)
+        # One folder per attempt: a killed attempt's leftovers never meet the next one's, and
+        # they go now (whoever holds the lease holds the job: an earlier attempt is over).
+        jobs = scratch_root / "jobs"
+        for earlier in jobs.glob(f"{job_id}-*"):
+            remove_tree(earlier)
+        scratch = jobs / f"{job_id}-{attempt}"
         scratch.mkdir(parents=True)
         (scratch / "tmp").mkdir()
         return JobFiles(storage.artifacts, str(job_id), scratch)
