@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES, GZipMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import openapi
+from service import docs_pages, openapi
 from service.authcache import AuthCache, FailureLimiter
 from service.columnar import EXPORT_MEDIA_TYPES
 from service.db import Database
@@ -223,6 +223,10 @@ def create_app(
         description="Mixed-precision Keras training as a service, with every step's loss "
         "scale on record.",
         lifespan=lifespan,
+        # FastAPI's own /docs and /redoc load their assets from CDNs; docs_pages serves the
+        # same pages from files shipped in the package.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.db = db
@@ -301,6 +305,7 @@ def create_app(
     app.include_router(dashboard.router)
     dashboard.mount_static(app)
     openapi.install(app)
+    docs_pages.install(app)
     # Bucket pages for long jobs run to hundreds of kilobytes of JSON and compress well.
     # Level 1 because it is about ten times cheaper than level 9 for a slightly larger result
     # (README, "Decisions"). Starlette leaves text/event-stream alone, so the event stream is
