@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -23,6 +23,9 @@ from service.app import create_app
 from service.db import Database, normalize_url
 from service.settings import Settings
 from tests.turns import turn
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
 
 pytest_plugins = ["tests.live", "tests.s3"]
 
@@ -189,3 +192,18 @@ def client(settings: Settings, db: Database) -> Iterator[TestClient]:
 def api(client: TestClient, team: Team) -> Api:
     """Requests as alice."""
     return Api(client, team.alice)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Debian's headless Chromium driven by Playwright (its own browser download is not
+    reachable here), one per test module. Imported here, not at the top: most tests need no
+    browser."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.test_dashboard import CHROMIUM, CHROMIUM_ARGS
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()

@@ -18,14 +18,14 @@ from urllib.parse import urlsplit
 
 import pytest
 from fastapi.testclient import TestClient
-from playwright.sync_api import Browser, BrowserContext, Route, expect, sync_playwright
+from playwright.sync_api import Browser, BrowserContext, Route, expect
 from playwright.sync_api import Request as BrowserRequest
 
 from service.app import create_app
 from service.db import Database
 from service.routes.dashboard import STATIC
 from service.settings import Settings
-from tests.test_dashboard import CHROMIUM, CHROMIUM_ARGS, serve
+from tests.test_dashboard import serve
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 PAGES = ("/docs", "/redoc")
@@ -151,14 +151,6 @@ class Offline:
     def _on_request(self, request: BrowserRequest) -> None:
         if self._outside(request.url):
             self.outside.append(request)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture

@@ -6,8 +6,6 @@ authentication off."""
 
 from __future__ import annotations
 
-import io
-import tarfile
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -21,21 +19,12 @@ from service.models import Job
 from service.settings import Settings
 from tests import fakes
 from tests.conftest import Api, Team
+from tests.test_code_bundles import tar_gz
 from workers.launchers import Handle, Trainer
 from workers.supervisor import Supervisor
 
 BUNDLE = {"pkg/__init__.py": b"", "pkg/train.py": b"def build(args):\n    return {}\n"}
 Policy = Literal["admins", "members", "off"]
-
-
-def tar_gz(members: dict[str, bytes]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
 
 
 def code_spec(digest: str) -> dict[str, Any]:

@@ -29,7 +29,6 @@ from playwright.sync_api import (
     Response,
     Route,
     expect,
-    sync_playwright,
 )
 
 from service import history, jobs, normalization
@@ -85,14 +84,6 @@ def serve(app: FastAPI) -> Iterator[str]:
         server.should_exit = True
         thread.join(10)
         sock.close()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture

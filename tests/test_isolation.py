@@ -9,7 +9,6 @@ worked, while the job itself trained and stored its own outputs."""
 from __future__ import annotations
 
 import os
-import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,8 @@ from service.db import Database
 from service.models import User
 from service.settings import Settings
 from tests.live import Live
-from tests.test_code_jobs import bundle_dir, job_log, push, wait_for
+from tests.test_code_jobs import bundle_dir, job_log, push, run_worker, wait_for
 from workers import sandbox
-from workers.supervisor import Supervisor
 
 pytestmark = pytest.mark.keras
 
@@ -177,9 +175,7 @@ def test_a_hostile_bundle_reaches_no_secret_no_database_no_other_file_and_leaves
         "training": {"epochs": 1},
     }
     job_id = live.submit(spec, live.team.alice)
-    supervisor = Supervisor(db, settings)
-    thread = threading.Thread(target=supervisor.run_forever, daemon=True)
-    thread.start()
+    supervisor, thread = run_worker(db, settings)
     try:
         job = wait_for(live, job_id)
     finally:

@@ -11,7 +11,6 @@ import logging
 import os
 import subprocess
 import sys
-import tarfile
 import threading
 import time
 from pathlib import Path
@@ -27,6 +26,8 @@ from service.schemas import JobSpec, SubmitResult
 from service.settings import Settings
 from service.storage import FileStore, open_storage
 from tests import fakes
+from tests.test_code_bundles import tar_gz
+from tests.test_code_right_at_claim import BUNDLE
 from tests.test_supervisor import load, make_job, step_count, wait_for
 from workers import checkpoints, sandbox
 from workers.staging import JobFiles, UnsafeOutput
@@ -90,14 +91,7 @@ def test_auto_takes_bubblewrap_where_it_works_and_announces_none_where_it_does_n
 
 def _code_job(db: Database, settings: Settings) -> int:
     """A code job whose bundle is in the store (the fake trainer ignores it)."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        body = b"def build(args):\n    return {}\n"
-        for name, data in (("pkg/__init__.py", b""), ("pkg/train.py", body)):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    buffer.seek(0)
+    buffer = io.BytesIO(tar_gz(BUNDLE))
     storage = open_storage(settings.storage_config())
     bundle = codestore.upload(
         buffer, storage.code, settings.resolved_code_dir(), Limits(10**7, 100, 100.0)
