@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,11 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
     if payload.get("isolation_warning"):
         print(f"halfway: warning: {payload['isolation_warning']}", flush=True)
     try:
+        with _gpu_probe_filtered(not payload.get("gpu_ids")):
+            # TensorFlow looks for CUDA as it loads and as it first lists devices: both here.
+            import tensorflow as tf
+
+            tf.config.list_physical_devices("GPU")
         from workers.context import RunContext
         from workers.training import train
 
@@ -95,3 +102,85 @@ def _redirect_output(path: Path) -> None:
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+
+
+# What TensorFlow prints as it looks for a GPU on a host (or in a job) without one: absl's note
+# that logging is not set up yet, then "Could not find cuda drivers" (once per library that
+# looks) and "failed call to cuInit". Only these lines, whole, are dropped.
+_ABSL_NOTE = (
+    b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+)
+_GPU_PROBE = re.compile(
+    rb"[IWE]\d{4} [\d:.]+ +\d+ (?:"
+    rb"cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, GPU will not be used\."
+    rb"|[\w.]+:\d+\] failed call to cuInit: .*"
+    rb")"
+)
+
+
+@contextlib.contextmanager
+def _gpu_probe_filtered(quiet: bool) -> Iterator[None]:
+    """With ``quiet``, while the block runs, fd 1 and 2 (Python's prints and TensorFlow's C++
+    logging alike) go through a pipe that a thread copies to the log line by line, in order,
+    without TensorFlow's GPU-probe lines. Afterwards they point at the log again, and the
+    thread has written everything before the block's exception (if any) is printed.
+
+    Only around TensorFlow's loading, not the whole run: a line still in the pipe when the
+    process dies of a signal would be lost, and the probe is over once TensorFlow has loaded."""
+    if not quiet:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = os.dup(2)
+    source, sink = os.pipe()
+    os.dup2(sink, 1)
+    os.dup2(sink, 2)
+    os.close(sink)
+    copier = threading.Thread(
+        target=_copy_without_probe, args=(source, log), name="halfway-log-filter", daemon=True
+    )
+    copier.start()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        # The pipe's last write ends close: the copier reads to the end and stops.
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        # A process started inside the block could keep a write end open: then stop waiting,
+        # and the copier goes on writing what it gets.
+        copier.join(timeout=30)
+        if not copier.is_alive():
+            os.close(log)
+
+
+def _copy_without_probe(source: int, log: int) -> None:
+    def write(data: bytes) -> None:
+        with contextlib.suppress(OSError):  # a full disk: keep draining, or the writers block
+            while data:
+                data = data[os.write(log, data) :]
+
+    pending = b""
+    held: bytes | None = None  # absl's note, until the next line shows whether it is the probe's
+    while chunk := os.read(source, 65536):
+        *lines, pending = (pending + chunk).split(b"\n")
+        out: list[bytes] = []
+        for line in lines:
+            bare = line.rstrip(b"\r")
+            if _GPU_PROBE.fullmatch(bare):
+                held = None  # and absl's note before it, if any
+                continue
+            if held is not None:
+                out.append(held)
+                held = None
+            if bare == _ABSL_NOTE:
+                held = line
+            else:
+                out.append(line)
+        if out:
+            write(b"".join(part + b"\n" for part in out))
+    os.close(source)
+    write((held + b"\n" if held is not None else b"") + pending)
