@@ -122,7 +122,8 @@ def serve(
                 # '#token=' never reaches the server, so the token stays out of access logs.
                 f"Dashboard: {base}/#token={token}\n"
                 f"API:       curl -H 'Authorization: Bearer {token}' {base}/v1/jobs\n"
-                "More users: halfway users add NAME [--admin]\n",
+                "More users: halfway users add NAME [--admin]\n"
+                "Lost it? On this host: halfway users token admin (a new one replaces it)\n",
                 err=True,
             )
 
@@ -309,6 +310,7 @@ def users_add(
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
     typer.echo(token)
+    typer.echo(f"Shown only now. Lost it? halfway users token {name} (a new one)", err=True)
 
 
 def _change_user(
@@ -347,6 +349,7 @@ def users_token(name: str) -> None:
         lambda _: f"{name}'s old token no longer works.",
     )
     typer.echo(token)
+    typer.echo(f"Shown only now. Lost it? halfway users token {name} (a new one)", err=True)
 
 
 @users_app.command("remove")

@@ -25,9 +25,10 @@ from service.client import (
     Unreachable,
 )
 from service.history import StepRecord
-from service.models import float32
+from service.models import Job, float32
 from tests.live import Live, free_port
 from tests.test_client_cli import TINY, finish_directly, records_with_overflows
+from tests.waiting import eventually
 from workers.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,11 +170,69 @@ def test_a_sweep_waits_for_every_variant_and_returns_the_table(
 ) -> None:
     with client(live) as hw:
         table = hw.sweep(TINY, policies=["float32", "mixed_float16"], poll_seconds=0.3)
-    assert table["done"]
-    assert [v["status"] for v in table["variants"]] == ["succeeded", "succeeded"], table
-    assert [v["policy"] for v in table["variants"]] == ["float32", "mixed_float16"]
-    assert all(math.isfinite(v["final_loss"]) for v in table["variants"]), table
-    assert len({v["job_id"] for v in table["variants"]}) == 2
+    assert table.attrs["done"]
+    assert table.status.tolist() == ["succeeded", "succeeded"], table
+    assert table.policy.tolist() == ["float32", "mixed_float16"]
+    assert all(math.isfinite(loss) for loss in table.final_loss), table
+    assert table.job_id.nunique() == 2
+
+
+def test_a_sweep_is_a_dataframe_one_row_per_variant_with_the_comparison_as_columns(
+    live: Live,
+) -> None:
+    with client(live) as hw:
+        started = hw.sweep(
+            {"name": "which", "base": TINY},
+            policies=["float32", "mixed_float16"],
+            target_loss=0.5,
+            wait=False,
+        )
+        assert isinstance(started, pd.DataFrame)
+        # Indexed by each variant's own name; the sweep itself is in attrs.
+        assert started.index.tolist() == ["float32", "mixed_float16"]
+        assert started.attrs["name"] == "which" and started.attrs["done"] is False
+        assert started.attrs["target_loss"] == 0.5
+        assert started.status.tolist() == ["queued", "queued"]
+        sweep_id = started.attrs["sweep_id"]
+        first, second = started.job_id.tolist()
+        finish_directly(live, first, records_with_overflows(12))
+        finish_directly(live, second, records_with_overflows(12))
+        with live.db.write() as s:
+            job = s.get(Job, first)
+            assert job is not None
+            job.metrics = {"last_epoch": {"epoch": 0, "loss": 0.25, "val_loss": 0.5}}
+        raw = eventually(lambda: hw.get_sweep(sweep_id), lambda t: t["done"])
+        frame = hw.sweep_results(sweep_id)
+    assert frame.attrs["done"] is True and frame.attrs["sweep_id"] == sweep_id
+    for column in (
+        "job_id",
+        "status",
+        "policy",
+        "loss_scale_mode",
+        "examples_per_second",
+        "median_step_seconds",
+        "speedup_vs_float32",
+        "time_to_target_seconds",
+        "step_to_target",
+        "final_loss",
+        "overflow_count",
+        "skipped_steps",
+        "final_loss_scale",
+        "min_loss_scale",
+        "peak_memory_bytes",
+    ):
+        assert column in frame.columns, column
+    assert frame.status.tolist() == ["succeeded", "succeeded"]
+    assert frame.overflow_count.tolist() == [2, 2]
+    assert frame.loc["float32", "final_loss"] == 0.25
+    # The last epoch's other metrics, one column each (NaN where a variant has none).
+    assert frame.loc["float32", "final_val_loss"] == 0.5
+    assert frame.final_val_loss.isna().tolist() == [False, True]
+    # Numbers are numbers, also where the server had none (no GPU: no peak memory).
+    assert str(frame.peak_memory_bytes.dtype) == "float64"
+    assert str(frame.overflow_count.dtype) == "int64"
+    # The JSON stays one call away.
+    assert [v["job_id"] for v in raw["variants"]] == [first, second]
 
 
 def test_history_without_pandas_says_how_to_install_it(live: Live, tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ import csv
 import io
 import json
 import math
+import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +295,63 @@ def test_show_prints_metrics_as_labelled_numbers(live: Live) -> None:
     assert table_line(out, "timing: median_step_seconds") == "0.0015 s"
     assert table_line(out, "timing: peak_memory_bytes") == "3.0 MiB"
     assert "{" not in out
+
+
+def code_job(live: Live, tmp_path: Path) -> int:
+    """A queued code job of a one-function bundle (run as the admin, who may run code)."""
+    package = tmp_path / "bundle" / "own"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text("def build(args):\n    return {}\n")
+    with Client(live.url, live.team.admin, env={}) as hw:
+        digest = hw.push_code(tmp_path / "bundle")["digest"]
+    spec = {"name": "own", "code": {"bundle": digest, "entrypoint": "own.train:build"}}
+    return live.submit(spec, live.team.admin)
+
+
+def test_show_of_a_code_job_prints_what_trained_not_the_specs_optimizer(
+    live: Live, tmp_path: Path
+) -> None:
+    job_id = code_job(live, tmp_path)
+    queued = cli(live, "show", str(job_id), HALFWAY_TOKEN=live.team.admin)
+    assert queued.exit_code == 0, queued.output
+    # Before the child has said what the bundle returned, the spec's optimizer is only the
+    # fallback for a function that returns none; it is not presented as what trains.
+    spec_line = table_line(queued.stdout, "spec: optimizer")
+    assert spec_line != "adam, learning rate 0.001", queued.stdout
+    assert spec_line.startswith("the bundle's"), spec_line
+    assert "known once the job starts" in queued.stdout
+
+    finish_directly(live, job_id, records_with_overflows(12))
+    with live.db.write() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        # What the training child reports in its "started" message (workers/training.py).
+        job.device = {
+            "optimizer": {
+                "class": "Adam",
+                "schedule": {
+                    "class": "CosineDecay",
+                    "initial_learning_rate": 0.0,
+                    "warmup_target": 0.01,
+                    "decay_steps": 60,
+                },
+            },
+            "loss": "mse",
+            "batch_size": 64,
+        }
+    out = eventually(
+        lambda: cli(live, "show", str(job_id), HALFWAY_TOKEN=live.team.admin).stdout,
+        lambda text: "CosineDecay" in text,
+    )
+    assert table_line(out, "optimizer") == (
+        "Adam, learning rate CosineDecay(initial_learning_rate=0, warmup_target=0.01, "
+        "decay_steps=60) (what trained)"
+    )
+    assert table_line(out, "loss function") == "mse"
+    assert table_line(out, "batch size") == "64"
+    assert "known once the job starts" not in out
+    assert "adam, learning rate 0.001" not in out
 
 
 def table_line(output: str, label: str) -> str:
@@ -698,3 +757,72 @@ def test_sweep_table_shows_each_variants_own_name_and_fits_the_terminal(width: i
         assert "hidden to fit:" in out and "peak mem" in out.split("hidden to fit:")[1]
     else:
         assert "hidden to fit" not in out and "123 MiB" in out
+
+
+def claim_and_write(live: Live, job_id: int, records: list[StepRecord], total: int) -> None:
+    """A worker's claim and its first steps: the job is running, ``len(records)`` of ``total``."""
+    with live.db.write() as s:
+        claim = jobs.claim_next(s, worker_id="test-worker", lease_seconds=30, gpus_held=0)
+        assert claim is not None and claim.job_id == job_id
+        job = s.get(Job, job_id)
+        assert job is not None
+        job.total_steps = total
+        history.write_steps(s, job, records, now=utcnow())
+
+
+def end_with(
+    live: Live, job_id: int, records: list[StepRecord], status: str, error: str | None = None
+) -> None:
+    with live.db.write() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        history.write_steps(s, job, records, now=utcnow())
+        assert jobs.finish(s, job_id=job_id, worker_id="test-worker", status=status, error=error)
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def test_sweep_shows_each_variants_status_steps_and_loss_while_it_runs(
+    live: Live, tmp_path: Path
+) -> None:
+    spec_file = write_file(tmp_path, "spec.yaml", TINY_YAML)
+    done: list[Result] = []
+    # A terminal (as rich sees one), so the bars are drawn live, frame by frame.
+    runner = threading.Thread(
+        target=lambda: done.append(
+            cli(
+                live,
+                "sweep",
+                spec_file,
+                "--policies",
+                "float32,mixed_float16",
+                TTY_COMPATIBLE="1",
+                TTY_INTERACTIVE="1",
+                COLUMNS="160",
+            )
+        )
+    )
+    runner.start()
+    page = eventually(lambda: live.api("GET", "/v1/jobs"), lambda p: len(p["items"]) == 2)
+    first, second = sorted(j["id"] for j in page["items"])
+    records = records_with_overflows(12)
+    claim_and_write(live, first, records[:5], total=12)
+    time.sleep(2.0)  # a few of the command's polls see it running at 5/12
+    end_with(live, first, records[5:], "succeeded")
+    claim_and_write(live, second, records[:3], total=12)
+    end_with(live, second, [], "failed", error="RuntimeError: boom")
+    runner.join(timeout=60)
+    assert done, "the sweep command did not end"
+    result = done[0]
+    assert result.exit_code == ExitCode.JOB_FAILED, result.output
+    out = ANSI.sub("", result.stdout)
+    # A live frame: the first variant running, at step 5 of 12, its last loss 1/5.
+    assert re.search(r"float32\s+running\s.*\b5/12\b.*loss 0\.2\b", out), out
+    # Each change on a line of its own, as in a log.
+    assert f"float32: job {first} running on test-worker" in out, out
+    assert "float32: succeeded" in out and "12 steps" in out, out
+    assert "mixed_float16: failed: RuntimeError: boom" in out, out
+    # Then the table.
+    assert table_row(out, "float32")[1] == "succeeded"
+    assert table_row(out, "mixed_float16")[1] == "failed"

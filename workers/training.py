@@ -256,6 +256,7 @@ def run_plan(ctx: RunContext, plan: Plan, device: dict[str, Any]) -> str:
         stream.tensorboard = tf.summary.create_file_writer(str(ctx.job_dir / "tensorboard"))
 
     device["jit_compile"] = bool(trainer.jit_compile)
+    device.update(trained_with(built, plan.batch_size or training["batch_size"]))
     ctx.emit(
         {
             "type": "started",
@@ -316,6 +317,41 @@ def run_plan(ctx: RunContext, plan: Plan, device: dict[str, Any]) -> str:
                 saved = ["model.keras"]
         ctx.emit({"type": "saved", "names": saved})  # the supervisor puts them in the store
     return "succeeded"
+
+
+def trained_with(built: Built, batch_size: int) -> dict[str, Any]:
+    """What the job trains with, for ``halfway show``: a code job's function may return its
+    own optimizer, learning-rate schedule and loss, which the spec does not say."""
+    loss = built.trainer.loss
+    name = loss if isinstance(loss, str) else getattr(loss, "name", None)
+    name = name or getattr(loss, "__name__", None) or type(loss).__name__
+    return {
+        "optimizer": _optimizer_report(built.optimizer),
+        "loss": str(name),
+        "batch_size": int(batch_size),
+    }
+
+
+def _optimizer_report(optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
+    """The optimizer's class and its learning rate, or its schedule's class and scalars."""
+    report: dict[str, Any] = {"class": type(optimizer).__name__}
+    try:
+        rate = optimizer.get_config().get("learning_rate")
+    except Exception:  # a custom optimizer or schedule that cannot say its config
+        return report
+    if isinstance(rate, dict):
+        config = rate.get("config") or {}
+        report["schedule"] = {
+            "class": str(rate.get("class_name")),
+            **{
+                k: v
+                for k, v in config.items()
+                if k != "name" and isinstance(v, str | int | float | bool)
+            },
+        }
+    elif isinstance(rate, int | float):
+        report["learning_rate"] = float(rate)
+    return report
 
 
 def save_keras(model: keras.Model, target: Path) -> None:

@@ -1,6 +1,12 @@
-"""Write the example's data: TFRecord shards of a noisy linear regression,
-``python examples/own-code/make_records.py DATA_DIR/own-code`` (any folder the job's
-args point at, relative to the worker's data directory)."""
+"""Write the example's data: TFRecord shards of a noisy linear regression. On the worker, with
+the Python that has Halfway's ``train`` extra (TensorFlow), from the folder ``halfway serve``
+runs in::
+
+    .venv/bin/python examples/own-code/make_records.py .halfway/data/own-code
+
+``.halfway/data`` is the worker's data directory when neither HALFWAY_DATA_DIR nor
+HALFWAY_HOME is set (else HALFWAY_DATA_DIR, or HALFWAY_HOME/data); the job's args name the
+files relative to it."""
 
 from __future__ import annotations
 
@@ -13,7 +19,14 @@ import numpy as np
 def write_records(
     folder: Path, samples: int = 512, features: int = 8, shards: int = 2, seed: int = 0
 ) -> list[Path]:
-    import tensorflow as tf
+    try:
+        import tensorflow as tf
+    except ImportError:
+        raise SystemExit(
+            "make_records.py needs TensorFlow: run it with the Python of the environment "
+            "Halfway is installed in with its train extra (pip install -e '.[train]'), "
+            "e.g. .venv/bin/python examples/own-code/make_records.py .halfway/data/own-code"
+        ) from None
 
     rng = np.random.default_rng(seed)
     weights = rng.normal(size=(features,)).astype(np.float32)

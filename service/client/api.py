@@ -250,6 +250,19 @@ class Client:
                     return job
             time.sleep(poll_seconds)
 
+    def poll_job(
+        self,
+        job_id: int,
+        etag: str | None,
+        *,
+        patience_seconds: float = WAIT_PATIENCE_SECONDS,
+        retry_seconds: float = 1.0,
+        on_retry: Callable[[HalfwayError], None] | None = None,
+    ) -> tuple[Job | None, str | None]:
+        """``job_if_changed``, retrying a server that is briefly unreachable or failing every
+        ``retry_seconds`` for ``patience_seconds`` (``on_retry`` is told each time)."""
+        return self._poll_patiently(job_id, etag, patience_seconds, retry_seconds, on_retry)
+
     def _poll_patiently(
         self,
         job_id: int,
@@ -286,13 +299,8 @@ class Client:
         step, epoch, loss, loss_scale, finite; non-finite losses are NaN and ±inf. It is read
         as one Arrow stream (the fastest way out of the server). Needs pandas:
         ``pip install 'halfway[client]'``."""
-        try:
-            import pandas as pd
-        except ImportError:
-            raise ImportError(
-                "Client.history() returns a pandas DataFrame; install pandas with: "
-                "pip install 'halfway[client]'"
-            ) from None
+        _require_pandas("Client.history()")
+        import pandas as pd
         import pyarrow as pa
 
         with self.stream(f"/v1/jobs/{job_id}/history.arrow", _range(from_step, to_step)) as r:
@@ -397,19 +405,16 @@ class Client:
         table: dict[str, Any] = self._get_json(f"/v1/sweeps/{sweep_id}")
         return table
 
-    def sweep(
+    def start_sweep(
         self,
         spec: Mapping[str, Any],
         *,
         policies: Sequence[str] | None = None,
         target_loss: float | None = None,
-        wait: bool = True,
-        poll_seconds: float = 2.0,
         code_dir: str | Path | None = None,
     ) -> dict[str, Any]:
-        """One job per precision variant of ``spec`` (a job spec, or a sweep spec with
-        ``base`` and ``variants``), compared side by side. With ``wait``, returns the table
-        once every variant has finished. ``code_dir`` as for ``submit`` (the base's code)."""
+        """Create a sweep and return at once with the API's JSON: ``{"id", "name", "done",
+        "variants": [{"job_id", "name", "status", ...}]}``. ``sweep`` says the rest."""
         body: dict[str, Any] = (
             dict(spec) if "base" in spec or "variants" in spec else {"base": dict(spec)}
         )
@@ -419,11 +424,86 @@ class Client:
             body["policies"] = list(policies)
         if target_loss is not None:
             body["target_loss"] = target_loss
-        table = self.create_sweep(body)
+        return self.create_sweep(body)
+
+    def sweep(
+        self,
+        spec: Mapping[str, Any],
+        *,
+        policies: Sequence[str] | None = None,
+        target_loss: float | None = None,
+        wait: bool = True,
+        poll_seconds: float = 2.0,
+        code_dir: str | Path | None = None,
+    ) -> pandas.DataFrame:
+        """One job per precision variant of ``spec`` (a job spec, or a sweep spec with
+        ``base`` and ``variants``), compared side by side: a DataFrame with a row per variant
+        (indexed by its name) and the comparison fields as columns (``sweep_frame``). With
+        ``wait``, once every variant has finished. ``code_dir`` as for ``submit`` (the base's
+        code). The sweep's id is ``frame.attrs["sweep_id"]``: ``sweep_results(id)`` reads it
+        again, ``get_sweep(id)`` as the API's JSON. Needs pandas (``halfway[client]``)."""
+        _require_pandas("Client.sweep()")  # before any job is queued
+        table = self.start_sweep(
+            spec, policies=policies, target_loss=target_loss, code_dir=code_dir
+        )
         while wait and not table["done"]:
             time.sleep(poll_seconds)
             table = self.get_sweep(table["id"])
-        return table
+        return sweep_frame(table)
+
+    def sweep_results(self, sweep_id: int) -> pandas.DataFrame:
+        """A sweep's comparison now, as ``sweep`` returns it (``frame.attrs["done"]`` says
+        whether every variant has finished)."""
+        return sweep_frame(self.get_sweep(sweep_id))
+
+
+# A sweep's columns that are not numbers, and the numbers that are counts.
+SWEEP_TEXT = ("name", "status", "error", "policy", "loss_scale_mode")
+SWEEP_COUNTS = ("job_id", "overflow_count", "skipped_steps")
+
+
+def sweep_frame(table: Mapping[str, Any]) -> pandas.DataFrame:
+    """A sweep's JSON as a DataFrame: a row per variant, indexed by the variant's own name
+    (its job is named "<sweep>/<variant>"); a column per comparison field, each of the last
+    epoch's metrics as ``final_<name>`` (``final_val_loss``; NaN where a variant has none);
+    every number a float64 (NaN where the server had none) but the counts (int64).
+    ``attrs``: the sweep's ``sweep_id``, ``name``, ``target_loss`` and ``done``."""
+    _require_pandas("Client.sweep()")
+    import pandas as pd
+
+    prefix = f"{table['name']}/"
+    rows = []
+    for variant in table["variants"]:
+        row = {k: v for k, v in variant.items() if k != "final_metrics"}
+        row["variant"] = variant["name"].removeprefix(prefix)
+        for key, value in (variant.get("final_metrics") or {}).items():
+            row.setdefault(f"final_{key}", value)
+        rows.append(row)
+    frame = pd.DataFrame(rows).set_index("variant")
+    frame = frame.astype(
+        {
+            column: "int64" if column in SWEEP_COUNTS else "float64"
+            for column in frame.columns
+            if column not in SWEEP_TEXT
+        }
+    )
+    frame.attrs.update(
+        sweep_id=table["id"],
+        name=table["name"],
+        target_loss=table.get("target_loss"),
+        done=bool(table["done"]),
+    )
+    return frame
+
+
+def _require_pandas(method: str) -> None:
+    try:
+        import pandas  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            f"{method} returns a pandas DataFrame; install pandas with: "
+            "pip install 'halfway[client]'"
+        ) from None
 
 
 def _range(from_step: int | None, to_step: int | None) -> dict[str, str | int] | None:

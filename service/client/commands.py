@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Iterator
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, BinaryIO
+from typing import Annotated, Any, BinaryIO
 
 import typer
 from rich.markup import escape
@@ -108,6 +108,68 @@ def watch_job(client: Client, job: Job, ui: Ui) -> Job:
             patience_seconds=WATCH_PATIENCE_SECONDS,
             on_retry=retrying,
         )
+
+
+def watch_sweep(client: Client, created: dict[str, Any], ui: Ui) -> dict[str, Any]:
+    """Draw a bar per variant (status, steps, last loss, scale, overflows) and print each
+    change above them until every variant's job has finished; return the sweep's table. Each
+    job is polled with its ETag, so an unchanged one costs an empty 304."""
+    prefix = f"{created['name']}/"
+    names = {v["job_id"]: v["name"].removeprefix(prefix) for v in created["variants"]}
+    etags: dict[int, str | None] = dict.fromkeys(names)
+    last: dict[int, Job] = {}
+    warned = False
+    with render.sweep_bars(ui) as bars:
+
+        def retrying(error: HalfwayError) -> None:
+            nonlocal warned
+            if not warned:
+                bars.console.print(
+                    f"[yellow]{escape(error.message)}; retrying for up to "
+                    f"{WATCH_PATIENCE_SECONDS:.0f} s[/]"
+                )
+                warned = True
+
+        tasks = {
+            job_id: bars.add_task("", total=None, start=False, **render.variant_fields(name, None))
+            for job_id, name in names.items()
+        }
+        pending = list(names)
+        while pending:
+            for job_id in list(pending):
+                job, etags[job_id] = client.poll_job(
+                    job_id,
+                    etags[job_id],
+                    patience_seconds=WATCH_PATIENCE_SECONDS,
+                    retry_seconds=POLL_SECONDS,
+                    on_retry=retrying,
+                )
+                if job is None:
+                    continue
+                name, task = names[job_id], tasks[job_id]
+                for line in render.variant_changes(name, last.get(job_id), job):
+                    bars.console.print(escape(line))
+                last[job_id] = job
+                if job["status"] != "queued":
+                    bars.start_task(task)
+                bars.update(
+                    task,
+                    completed=job["progress"]["step"] or 0,
+                    total=job["progress"]["total_steps"],
+                    **render.variant_fields(name, job),
+                )
+                if job["status"] in FINISHED_STATUSES:
+                    bars.stop_task(task)
+                    pending.remove(job_id)
+            if pending:
+                time.sleep(POLL_SECONDS)
+    # The table is read from the same jobs: done, but for a cache's lag.
+    deadline = time.monotonic() + WATCH_PATIENCE_SECONDS
+    table = client.get_sweep(created["id"])
+    while not table["done"] and time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS)
+        table = client.get_sweep(created["id"])
+    return table
 
 
 def stream_csv(client: Client, job_id: int) -> None:
@@ -420,7 +482,8 @@ def sweep(
     url: UrlOption = None,
     token: TokenOption = None,
 ) -> None:
-    """Run one job per precision variant of a spec and compare them side by side."""
+    """Run one job per precision variant of a spec and compare them side by side; while they
+    run, a bar per variant shows its status, steps and loss."""
     spec = load_spec(spec_file)
     chosen = [p.strip() for p in policies.split(",") if p.strip()] if policies else None
     ui = Ui.create()
@@ -431,13 +494,10 @@ def sweep(
                 spec = {**spec, "base": with_bundle(spec.get("base", {}), digest)}
             else:
                 spec = with_bundle(spec, digest)
-        created = client.sweep(spec, policies=chosen, target_loss=target_loss, wait=False)
+        created = client.start_sweep(spec, policies=chosen, target_loss=target_loss)
         ids = ", ".join(str(v["job_id"]) for v in created["variants"])
         ui.out.print(f"sweep {created['id']}: {len(created['variants'])} jobs ({ids})")
-        table = created
-        while wait and not table["done"]:
-            time.sleep(2.0)
-            table = client.get_sweep(created["id"])
+        table = watch_sweep(client, created, ui) if wait else created
     ui.out.print(tables.sweep_table(table, ui.out.width))
     if wait and any(v["status"] != "succeeded" for v in table["variants"]):
         raise typer.Exit(ExitCode.JOB_FAILED)

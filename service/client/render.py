@@ -20,6 +20,7 @@ from rich.text import Text
 
 from service.client.api import Job
 from service.client.errors import ExitCode
+from service.vocabulary import FINISHED_STATUSES
 
 # Rich folds tables to 80 columns when stdout is not a terminal; a piped table stays whole.
 PIPE_WIDTH = 160
@@ -164,6 +165,67 @@ def progress_bar(ui: Ui) -> Progress:
         TimeElapsedColumn(),
         console=ui.out,
     )
+
+
+def sweep_bars(ui: Ui) -> Progress:
+    """One bar per variant of a sweep: its status, steps, last loss, scale and overflows."""
+    return Progress(
+        TextColumn("[bold]{task.fields[variant]}[/] {task.fields[status]}"),
+        BarColumn(bar_width=20),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("scale {task.fields[scale]}"),
+        TextColumn("overflows {task.fields[overflows]}"),
+        TimeElapsedColumn(),
+        console=ui.out,
+    )
+
+
+def variant_fields(name: str, job: Job | None) -> dict[str, Any]:
+    """A variant's bar before its job is read (queued, nothing yet), then the job's."""
+    if job is None:
+        return {
+            "variant": escape(name),
+            "status": "[blue]queued[/]",
+            **dict.fromkeys(("loss", "scale", "overflows"), "-"),
+        }
+    fields = bar_fields(job)
+    return {
+        "variant": escape(name),
+        **{key: fields[key] for key in ("status", "loss", "scale", "overflows")},
+    }
+
+
+def variant_changes(name: str, old: Job | None, new: Job) -> list[str]:
+    """Lines worth printing above a sweep's bars when a variant's job changes (or is first
+    read), each led by the variant's name; its outcome once it has finished."""
+    if old is None:
+        lines = []
+        if new["status"] == "running":
+            lines.append(
+                f"job {new['id']} running on {new['worker_id']} "
+                f"(attempt {new['attempt']} of {new['max_attempts']})"
+            )
+    else:
+        lines = changes(old, new)
+    if new["status"] in FINISHED_STATUSES and (old is None or old["status"] != new["status"]):
+        lines.append(outcome(new))
+    return [f"{name}: {line}" for line in lines]
+
+
+def outcome(job: Job) -> str:
+    """A finished job in one line of plain text."""
+    summary, took = job["summary"], fmt_duration(job)
+    if job["status"] == "succeeded":
+        return (
+            f"succeeded{f' in {took}' if took else ''}: "
+            f"{fmt_number(job['progress']['step'])} steps, last loss "
+            f"{fmt_loss(summary['last_loss'], summary['last_loss_nonfinite'])}, loss scale "
+            f"{fmt_number(summary['loss_scale'])}, {summary['overflow_count']} overflow(s)"
+        )
+    if job["status"] == "cancelled":
+        return f"cancelled after {fmt_number(job['progress']['step'])} step(s)"
+    return f"failed: {job.get('error') or 'no error recorded'} (its log: halfway logs {job['id']})"
 
 
 def changes(old: Job, new: Job) -> list[str]:

@@ -95,9 +95,18 @@ def _loss_scale_line(ls: Mapping[str, Any]) -> str:
     return str(mode)
 
 
-def spec_lines(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+def spec_lines(spec: Mapping[str, Any], *, trained: bool = False) -> list[tuple[str, str]]:
+    """The spec, line by line. A code job's function may return its own optimizer, so its
+    spec names only the fallback (``trained``: the job has said what it trained with)."""
     training, optimizer = spec.get("training", {}), spec.get("optimizer", {})
     outputs = spec.get("outputs", {})
+    optimizer_line = f"{optimizer.get('name')}, learning rate {optimizer.get('learning_rate')}"
+    if isinstance(spec.get("code"), dict):
+        optimizer_line = (
+            "the bundle's, if its function returns one; else "
+            f"{optimizer.get('name')} at learning rate {optimizer.get('learning_rate')}"
+            + ("" if trained else " (what trained is known once the job starts)")
+        )
     lines = [
         ("policy", str(spec.get("precision", {}).get("policy", "mixed_float16"))),
         ("loss scaling", _loss_scale_line(spec.get("loss_scale", {}))),
@@ -109,7 +118,7 @@ def spec_lines(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
                 ("data", _data_line(spec.get("data", {}))),
             ]
         ),
-        ("optimizer", f"{optimizer.get('name')}, learning rate {optimizer.get('learning_rate')}"),
+        ("optimizer", optimizer_line),
         (
             "training",
             f"{training.get('epochs')} epoch(s), batch size {training.get('batch_size')}",
@@ -124,6 +133,41 @@ def spec_lines(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
     if faults:
         lines.append(("faults", json.dumps(faults)))
     return lines
+
+
+def trained_lines(job: Job) -> list[tuple[str, str]]:
+    """What a code job trained with, as its training child reported it (the job's
+    ``device``): the optimizer and its learning rate or schedule, the loss, the batch size."""
+    ran = job.get("device") or {}
+    report = ran.get("optimizer")
+    if not isinstance(job.get("spec", {}).get("code"), dict) or not isinstance(report, Mapping):
+        return []
+    lines = [("optimizer", f"{fmt_optimizer(report)} (what trained)")]
+    if ran.get("loss"):
+        lines.append(("loss function", str(ran["loss"])))
+    if ran.get("batch_size"):
+        lines.append(("batch size", str(ran["batch_size"])))
+    return lines
+
+
+def fmt_optimizer(report: Mapping[str, Any]) -> str:
+    """The optimizer a job reported: its class, learning rate or schedule (with arguments)."""
+    name = str(report.get("class", "?"))
+    schedule = report.get("schedule")
+    if isinstance(schedule, Mapping):
+        args = ", ".join(
+            f"{key}={_fmt_value(value)}" for key, value in schedule.items() if key != "class"
+        )
+        return f"{name}, learning rate {schedule.get('class')}({args})"
+    if report.get("learning_rate") is not None:
+        return f"{name}, learning rate {fmt_number(report['learning_rate'])}"
+    return name
+
+
+def _fmt_value(value: Any) -> str:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return fmt_number(value)
+    return str(value)
 
 
 def metric_lines(metrics: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
@@ -203,7 +247,10 @@ def job_details(job: Job) -> Table:
         grid.add_row("warning", Text(warning, style="yellow"))
     for note in job.get("notes", []):
         grid.add_row("note", Text(note))
-    for label, value in spec_lines(job.get("spec", {})):
+    trained = trained_lines(job)
+    for label, value in trained:
+        grid.add_row(label, Text(value))
+    for label, value in spec_lines(job.get("spec", {}), trained=bool(trained)):
         grid.add_row(f"spec: {label}", Text(value))
     return grid
 
