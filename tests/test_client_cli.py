@@ -21,7 +21,7 @@ from typer.testing import CliRunner, Result
 
 from service import history, jobs
 from service.cli import app as cli_app
-from service.client import Client, ExitCode, UsageError, resolve_target, tables
+from service.client import Client, ExitCode, UsageError, resolve_target, tables, watching
 from service.client import commands as client_commands
 from service.history import StepRecord
 from service.models import Job, float32, utcnow
@@ -49,7 +49,7 @@ training: {epochs: 2, batch_size: 32}
 @pytest.fixture(autouse=True)
 def quick_polls(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process commands poll every 0.2 s instead of 1 s (subprocesses keep 1 s)."""
-    monkeypatch.setattr(client_commands, "POLL_SECONDS", 0.2)
+    monkeypatch.setattr(watching, "POLL_SECONDS", 0.2)
 
 
 def cli(live: Live | None, *args: str, input: str | None = None, **env: str | None) -> Result:

@@ -24,18 +24,15 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import httpx
 
 from service.client import codepack
-from service.client.config import Target, resolve_target
+from service.client.config import resolve_target
 from service.client.errors import (
-    Conflict,
-    Forbidden,
     HalfwayError,
-    Invalid,
-    NotFound,
     ServerError,
-    Unauthorized,
     Unreachable,
     UsageError,
 )
+from service.client.frames import require_pandas, sweep_frame
+from service.client.responses import api_error, response_json, unreachable
 from service.vocabulary import FINISHED_STATUSES
 
 if TYPE_CHECKING:
@@ -299,7 +296,7 @@ class Client:
         step, epoch, loss, loss_scale, finite; non-finite losses are NaN and ±inf. It is read
         as one Arrow stream (the fastest way out of the server). Needs pandas:
         ``pip install 'halfway[client]'``."""
-        _require_pandas("Client.history()")
+        require_pandas("Client.history()")
         import pandas as pd
         import pyarrow as pa
 
@@ -442,7 +439,7 @@ class Client:
         ``wait``, once every variant has finished. ``code_dir`` as for ``submit`` (the base's
         code). The sweep's id is ``frame.attrs["sweep_id"]``: ``sweep_results(id)`` reads it
         again, ``get_sweep(id)`` as the API's JSON. Needs pandas (``halfway[client]``)."""
-        _require_pandas("Client.sweep()")  # before any job is queued
+        require_pandas("Client.sweep()")  # before any job is queued
         table = self.start_sweep(
             spec, policies=policies, target_loss=target_loss, code_dir=code_dir
         )
@@ -455,55 +452,6 @@ class Client:
         """A sweep's comparison now, as ``sweep`` returns it (``frame.attrs["done"]`` says
         whether every variant has finished)."""
         return sweep_frame(self.get_sweep(sweep_id))
-
-
-# A sweep's columns that are not numbers, and the numbers that are counts.
-SWEEP_TEXT = ("name", "status", "error", "policy", "loss_scale_mode")
-SWEEP_COUNTS = ("job_id", "overflow_count", "skipped_steps")
-
-
-def sweep_frame(table: Mapping[str, Any]) -> pandas.DataFrame:
-    """A sweep's JSON as a DataFrame: a row per variant, indexed by the variant's own name
-    (its job is named "<sweep>/<variant>"); a column per comparison field, each of the last
-    epoch's metrics as ``final_<name>`` (``final_val_loss``; NaN where a variant has none);
-    every number a float64 (NaN where the server had none) but the counts (int64).
-    ``attrs``: the sweep's ``sweep_id``, ``name``, ``target_loss`` and ``done``."""
-    _require_pandas("Client.sweep()")
-    import pandas as pd
-
-    prefix = f"{table['name']}/"
-    rows = []
-    for variant in table["variants"]:
-        row = {k: v for k, v in variant.items() if k != "final_metrics"}
-        row["variant"] = variant["name"].removeprefix(prefix)
-        for key, value in (variant.get("final_metrics") or {}).items():
-            row.setdefault(f"final_{key}", value)
-        rows.append(row)
-    frame = pd.DataFrame(rows).set_index("variant")
-    frame = frame.astype(
-        {
-            column: "int64" if column in SWEEP_COUNTS else "float64"
-            for column in frame.columns
-            if column not in SWEEP_TEXT
-        }
-    )
-    frame.attrs.update(
-        sweep_id=table["id"],
-        name=table["name"],
-        target_loss=table.get("target_loss"),
-        done=bool(table["done"]),
-    )
-    return frame
-
-
-def _require_pandas(method: str) -> None:
-    try:
-        import pandas  # noqa: F401
-    except ImportError:
-        raise ImportError(
-            f"{method} returns a pandas DataFrame; install pandas with: "
-            "pip install 'halfway[client]'"
-        ) from None
 
 
 def _range(from_step: int | None, to_step: int | None) -> dict[str, str | int] | None:
@@ -525,67 +473,3 @@ def with_bundle(spec: Mapping[str, Any], digest: str) -> dict[str, Any]:
     copied = copy.deepcopy(dict(spec))
     copied["code"]["bundle"] = digest
     return copied
-
-
-def response_json(response: httpx.Response) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        raise ServerError(
-            f"{response.request.url} answered {response.status_code} with something that is "
-            "not JSON; is the URL a Halfway server?"
-        ) from None
-
-
-def unreachable(url: str, exc: httpx.TransportError) -> Unreachable:
-    reason = str(exc) or type(exc).__name__
-    if isinstance(exc, httpx.TimeoutException):
-        reason = f"timed out ({reason})"
-    return Unreachable(
-        f"cannot reach Halfway at {url}: {reason}",
-        ["Is the server running (halfway serve)? Point elsewhere with --url or HALFWAY_URL."],
-    )
-
-
-def _error_body(response: httpx.Response) -> tuple[str, list[dict[str, Any]]]:
-    """The message and fields of Halfway's error JSON; the text of anything else."""
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict):
-        fields = body.get("fields")
-        message = body.get("message") or body.get("detail") or response.reason_phrase
-        listed = fields if isinstance(fields, list) else []
-        return str(message), [f for f in listed if isinstance(f, dict)]
-    text = response.text.strip()[:300]
-    return text or response.reason_phrase, []
-
-
-def api_error(response: httpx.Response, target: Target) -> HalfwayError:
-    status = response.status_code
-    message, fields = _error_body(response)
-    if status == 401:
-        sent = f"the token came from {target.token_source}" if target.token else "no token was sent"
-        return Unauthorized(
-            "token missing or invalid; set HALFWAY_TOKEN or --token",
-            [f"server said: {message} ({sent})"],
-        )
-    simple: dict[int, tuple[str, type[HalfwayError]]] = {
-        403: ("forbidden", Forbidden),
-        404: ("not found", NotFound),
-        409: ("conflict", Conflict),
-    }
-    if status in simple:
-        label, kind = simple[status]
-        return kind(f"{label}: {message}")
-    if status == 413:
-        return Invalid(f"too large: {message}")
-    if status in (400, 422):
-        details = [
-            f"{f.get('field', '?')}: {f.get('message', '')} (rule: {f.get('rule', '?')})"
-            for f in fields
-        ]
-        headline = "the server refused the input" + (":" if details else f": {message}")
-        return Invalid(headline, details, fields)
-    return ServerError(f"server error {status}: {message}")
