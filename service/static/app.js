@@ -705,7 +705,10 @@
       return;
     }
     if (stream.hist === hist && stream.state === "paused") {
-      connect(hist); // back from a hidden tab or a token prompt: go on from the last event
+      // Back from a hidden tab or a token prompt: go on from the last event. Not while the
+      // prompt is still up: a refresh already under way when the stream's 401 came would
+      // reconnect with the refused token.
+      if (poll.on) connect(hist);
       return;
     }
     await pollSelected(hist);
