@@ -9,7 +9,7 @@ from typing import IO, Literal
 
 from service import code, codestore, datasets
 from service.errors import FieldErrors, NotFound, SpecError
-from service.policies import POLICIES
+from service.policies import AUTO, AUTO_CANDIDATES, POLICIES, loss_scale_mode_for
 from service.schemas import (
     KERAS_DATASET_SHAPES,
     REGRESSION_LOSSES,
@@ -37,8 +37,6 @@ def normalize(spec: JobSpec, settings: Settings) -> SubmitResult:
     if spec.code is not None:
         check_code(spec, settings)
     spec = spec.model_copy(deep=True)
-    facts = POLICIES[spec.precision.policy]
-
     ls = spec.loss_scale
     if ls.dynamic is not None:
         mode: Literal["dynamic", "fixed"] = "dynamic" if ls.dynamic else "fixed"
@@ -54,26 +52,10 @@ def normalize(spec: JobSpec, settings: Settings) -> SubmitResult:
         )
         ls.mode = mode
         ls.dynamic = None
-    if ls.mode == "auto":
-        ls.mode = "dynamic" if facts.compute_dtype == "float16" else "none"
-        notes.append(f"loss_scale.mode 'auto' is '{ls.mode}' for {facts.compute_dtype} compute.")
-    if facts.compute_dtype == "float16" and ls.mode == "none":
-        warnings.append(
-            "float16 compute without loss scaling: gradients smaller than about 6e-8 "
-            "underflow to zero and large ones overflow to inf. Use loss_scale.mode 'dynamic' "
-            "unless you are rehearsing exactly this."
-        )
-    if facts.compute_dtype != "float16" and ls.mode in ("dynamic", "fixed"):
-        warnings.append(
-            f"loss scaling with {facts.compute_dtype} compute is allowed but not needed: "
-            f"{facts.compute_dtype} has float32's exponent range."
-        )
-    if spec.precision.policy in ("float16", "bfloat16"):
-        warnings.append(
-            f"policy '{spec.precision.policy}' keeps the variables in {facts.variable_dtype} "
-            f"too, so small updates round away; 'mixed_{spec.precision.policy}' keeps float32 "
-            "variables."
-        )
+    if spec.precision.policy == AUTO:
+        notes.append(_auto_note(spec))
+    else:
+        _precision_warnings(spec, warnings, notes)
     if spec.precision.graph_rewrite:
         notes.append(
             "precision.graph_rewrite turns on TensorFlow's grappler rewrite for this job "
@@ -111,6 +93,56 @@ def normalize(spec: JobSpec, settings: Settings) -> SubmitResult:
         kind = spec.code.entrypoint.rpartition(":")[2] if spec.code else spec.model.kind
         spec.name = f"{kind}-{spec.precision.policy}"
     return SubmitResult(spec=spec, warnings=warnings, notes=notes)
+
+
+def _precision_warnings(spec: JobSpec, warnings: list[str], notes: list[str]) -> None:
+    """Resolve loss_scale.mode 'auto' for a concrete policy, and warn about the dtype facts
+    that make a combination risky or pointless."""
+    policy = spec.precision.policy
+    facts = POLICIES[policy]
+    ls = spec.loss_scale
+    if ls.mode == "auto":
+        ls.mode = loss_scale_mode_for(ls.mode, facts.compute_dtype)
+        notes.append(f"loss_scale.mode 'auto' is '{ls.mode}' for {facts.compute_dtype} compute.")
+    if facts.compute_dtype == "float16" and ls.mode == "none":
+        warnings.append(
+            "float16 compute without loss scaling: gradients smaller than about 6e-8 "
+            "underflow to zero and large ones overflow to inf. Use loss_scale.mode 'dynamic' "
+            "unless you are rehearsing exactly this."
+        )
+    if facts.compute_dtype != "float16" and ls.mode in ("dynamic", "fixed"):
+        warnings.append(
+            f"loss scaling with {facts.compute_dtype} compute is allowed but not needed: "
+            f"{facts.compute_dtype} has float32's exponent range."
+        )
+    if policy in ("float16", "bfloat16"):
+        warnings.append(
+            f"policy '{policy}' keeps the variables in {facts.variable_dtype} too, so small "
+            f"updates round away; 'mixed_{policy}' keeps float32 variables."
+        )
+
+
+def _auto_note(spec: JobSpec) -> str:
+    """What policy 'auto' will do; the policy and loss_scale.mode stay 'auto' in the spec,
+    since only the probes, in the training child, can resolve them."""
+    probe = spec.precision.probe
+    mode = spec.loss_scale.mode
+    scaling = (
+        "loss_scale.mode 'auto' then becomes 'dynamic' if mixed_float16 is chosen and 'none' "
+        "otherwise."
+        if mode == "auto"
+        else f"Every candidate, and the training, uses loss_scale.mode '{mode}'."
+    )
+    return (
+        f"policy 'auto': before training, the job probes {', '.join(AUTO_CANDIDATES)} for "
+        f"{probe.warmup} + {probe.steps} steps each (precision.probe.warmup + steps) from the "
+        "same initial weights on the same batches, and trains with the fastest candidate whose "
+        f"mean loss differs from float32's by at most {probe.loss_tolerance:g} of it "
+        f"(loss_tolerance) and whose lost_share stays at most {probe.max_lost_share:g} "
+        f"(max_lost_share); a mixed policy must also be {probe.min_speedup:g}x as fast as "
+        "float32 (min_speedup). The probes are not part of the step history; the choice and "
+        "the probe table are recorded as the job's precision_decision. " + scaling
+    )
 
 
 def planned_steps_per_epoch(spec: JobSpec) -> int | None:

@@ -1,4 +1,5 @@
-"""Static facts about Keras dtype policies, so the API can describe them without TensorFlow.
+"""Static facts about Keras dtype policies, so the API can describe them without TensorFlow,
+and the rules that depend only on them (what loss_scale.mode 'auto' means).
 
 The table mirrors what ``keras.mixed_precision.Policy(name)`` reports in Keras 3;
 ``tests/test_training_keras.py`` checks it against real Keras.
@@ -11,6 +12,13 @@ from typing import Literal
 
 Dtype = Literal["float16", "bfloat16", "float32", "float64"]
 PolicyName = Literal["float32", "float16", "bfloat16", "float64", "mixed_float16", "mixed_bfloat16"]
+# What a spec may ask for: a policy, or "auto" (the job probes AUTO_CANDIDATES and picks one).
+PolicyChoice = Literal[PolicyName, "auto"]
+ScaleMode = Literal["dynamic", "fixed", "none"]
+
+AUTO = "auto"
+# float32 first: it is the reference the others' losses are compared with.
+AUTO_CANDIDATES: tuple[PolicyName, ...] = ("float32", "mixed_bfloat16", "mixed_float16")
 
 
 @dataclass(frozen=True)
@@ -92,3 +100,18 @@ def policy_for_pair(variable_dtype: str, compute_dtype: str) -> PolicyName:
 
 def compute_dtype(name: str) -> str:
     return POLICIES[name].compute_dtype
+
+
+_EXPLICIT_MODES: dict[str, ScaleMode] = {"dynamic": "dynamic", "fixed": "fixed", "none": "none"}
+
+
+def loss_scale_mode_for(mode: str, compute_dtype: str) -> ScaleMode:
+    """What loss_scale.mode means for a compute dtype: 'auto' is dynamic scaling for float16
+    compute (its narrow exponent range underflows small gradients) and none otherwise; an
+    explicit mode stays. The one place this rule lives: normalization applies it to a
+    concrete policy, the training child to the policy 'auto' picked."""
+    if mode == "auto":
+        return "dynamic" if compute_dtype == "float16" else "none"
+    if mode in _EXPLICIT_MODES:
+        return _EXPLICIT_MODES[mode]
+    raise ValueError(f"unknown loss_scale.mode {mode!r}")

@@ -30,7 +30,15 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from service.modelconfig import check_model_config
-from service.policies import POLICIES, PolicyName, UnexpressiblePolicy, policy_for_pair
+from service.policies import (
+    AUTO,
+    AUTO_CANDIDATES,
+    POLICIES,
+    PolicyChoice,
+    PolicyName,
+    UnexpressiblePolicy,
+    policy_for_pair,
+)
 
 LEGACY_AMP_ENV = "TF_ENABLE_AUTO_MIXED_PRECISION"
 LEGACY_AMP_EXPLANATION = (
@@ -141,17 +149,58 @@ def _pair_schema(variable: str, compute: str) -> dict[str, Any]:
 
 # Only the pairs a Keras policy has: the others are refused (unexpressible_policy).
 PolicyField = Annotated[
-    PolicyName,
+    PolicyChoice,
     BeforeValidator(_policy_name),
     WithJsonSchema(
         {
             "anyOf": [
-                {"type": "string", "enum": list(POLICIES)},
+                {"type": "string", "enum": [*POLICIES, AUTO]},
                 *(_pair_schema(p.variable_dtype, p.compute_dtype) for p in POLICIES.values()),
             ]
         }
     ),
 ]
+
+
+class ProbeSpec(StrictModel):
+    """How policy 'auto' chooses. Before the job trains, each candidate (float32,
+    mixed_bfloat16, mixed_float16) runs warmup + steps steps from the same initial weights on
+    the same batches; the job then trains with the fastest candidate whose loss tracks
+    float32's within loss_tolerance and whose lost_share stays at most max_lost_share (a mixed
+    policy must also beat float32 by min_speedup). The probes are not in the step history."""
+
+    steps: int = Field(
+        default=20, ge=2, le=1000, description="Timed steps per candidate, after its warm-up."
+    )
+    warmup: int = Field(
+        default=5,
+        ge=1,
+        le=1000,
+        description="Untimed steps per candidate first, so tracing and compilation do not "
+        "count as its step time (its lost_share is measured on these).",
+    )
+    loss_tolerance: float = Field(
+        default=0.05,
+        gt=0,
+        le=10,
+        description="How far a candidate's mean probe loss may stray from float32's, as a "
+        "fraction of float32's (0.05: within 5%).",
+    )
+    max_lost_share: float = Field(
+        default=0.01,
+        ge=0,
+        le=1,
+        description="The largest lost_share a candidate may show (its mean over the probe): "
+        "the share of gradient elements nonzero in float32 but flushed to zero in its own "
+        "precision.",
+    )
+    min_speedup: float = Field(
+        default=1.05,
+        ge=1,
+        le=100,
+        description="A mixed policy is chosen only if it runs at least this many times as fast "
+        "as float32 (median step time); otherwise float32 is.",
+    )
 
 
 class PrecisionSpec(StrictModel):
@@ -181,7 +230,9 @@ class PrecisionSpec(StrictModel):
     policy: PolicyField = Field(
         default="mixed_float16",
         description="A Keras dtype policy name, or {variable_dtype, compute_dtype} mapped to "
-        "the name it means.",
+        "the name it means, or 'auto': probe "
+        + ", ".join(AUTO_CANDIDATES)
+        + " on this model before training and train with the one precision.probe picks.",
     )
     output_float32: bool = Field(
         default=True,
@@ -194,6 +245,10 @@ class PrecisionSpec(StrictModel):
         "TF_ENABLE_AUTO_MIXED_PRECISION): auto_mixed_precision on GPU, "
         "auto_mixed_precision_onednn_bfloat16 on CPU. Needs policy 'float32'.",
     )
+    probe: ProbeSpec = Field(
+        default_factory=ProbeSpec,
+        description="How policy 'auto' probes and chooses; other policies ignore it.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -204,6 +259,14 @@ class PrecisionSpec(StrictModel):
 
     @model_validator(mode="after")
     def _rewrite_needs_float32(self) -> PrecisionSpec:
+        if self.graph_rewrite and self.policy == AUTO:
+            raise PydanticCustomError(
+                "graph_rewrite_conflict",
+                "precision.graph_rewrite cannot be combined with policy 'auto': 'auto' may "
+                "pick a mixed policy, and the grappler rewrite needs a float32 graph (on a "
+                "mixed one it would cast twice). Use policy 'float32' with graph_rewrite, or "
+                "'auto' without it.",
+            )
         if self.graph_rewrite and self.policy != "float32":
             raise PydanticCustomError(
                 "graph_rewrite_conflict",
@@ -832,6 +895,47 @@ class ForensicsSpec(StrictModel):
     )
 
 
+class GradientsSpec(StrictModel):
+    """The gradient meter, which shows whether the loss scale does its job: how close this
+    run's gradients come to float16's limits (small ones flushing to zero, large ones
+    overflowing), sampled while it trains. The defaults keep its cost within about 3% of the
+    job's time; sample more often to see more, at more cost."""
+
+    every: int = Field(
+        default=50,
+        ge=0,
+        le=10**9,
+        description="Record the gradient statistics (zero share, range, headroom below "
+        "float16's largest value, subnormal share) at every step divisible by this; 0: only "
+        "at shadow steps (both 0: the meter is off).",
+    )
+    shadow_every: int = Field(
+        default=500,
+        ge=0,
+        le=10**9,
+        description="At every step divisible by this, also compute the same batch's gradient "
+        "in float32 (the shadow, about one extra step each time) to measure what underflows "
+        "at the current loss scale and what this run lost to zero; a shadow step is always "
+        "sampled too. 0: no shadow.",
+    )
+    alarm_share: float | None = Field(
+        default=0.05,
+        gt=0,
+        le=1,
+        description="Warn when the underflow or lost share stays above this for alarm_samples "
+        "shadow samples in a row; null: never.",
+    )
+    alarm_samples: int = Field(
+        default=3,
+        ge=1,
+        le=10**6,
+        description="Shadow samples in a row above alarm_share before the alarm fires.",
+    )
+    guard: bool = Field(
+        default=False, description="Fail the job when an alarm fires, instead of only warning."
+    )
+
+
 class ResourcesSpec(StrictModel):
     gpus: int | Literal["auto"] = Field(
         default="auto",
@@ -881,6 +985,7 @@ class JobSpec(StrictModel):
     guards: GuardsSpec = Field(default_factory=GuardsSpec)
     faults: FaultsSpec = Field(default_factory=FaultsSpec)
     forensics: ForensicsSpec = Field(default_factory=ForensicsSpec)
+    gradients: GradientsSpec = Field(default_factory=GradientsSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     outputs: OutputsSpec = Field(default_factory=OutputsSpec)
     code: CodeSpec | None = Field(
