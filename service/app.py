@@ -32,6 +32,7 @@ from service.routes import (
     dashboard,
     datasets,
     export,
+    gradients,
     history,
     jobs,
     meta,
@@ -297,6 +298,7 @@ def create_app(
     app.include_router(jobs.router)
     app.include_router(history.router)
     app.include_router(export.router)
+    app.include_router(gradients.router)
     app.include_router(meta.router)
     app.include_router(artifacts.router)
     app.include_router(datasets.router)

@@ -268,14 +268,15 @@ def columns_body(
 # Arrow and Parquet
 
 
-def _pyarrow() -> Any:
+def pyarrow() -> Any:
+    """pyarrow, imported on first use (see the module's doc)."""
     import pyarrow
 
     return pyarrow
 
 
 def arrow_schema(job_id: int) -> Any:
-    pa = _pyarrow()
+    pa = pyarrow()
     return pa.schema(
         [
             pa.field("step", pa.int32(), nullable=False),
@@ -289,7 +290,7 @@ def arrow_schema(job_id: int) -> Any:
 
 
 def record_batch(schema: Any, cols: Columns) -> Any:
-    pa = _pyarrow()
+    pa = pyarrow()
     return pa.record_batch(
         [
             pa.array(cols.step),
@@ -333,11 +334,17 @@ def _encode(
     chunks: Iterator[Columns], job_id: int, open_writer: Callable[[Any, Any], Any]
 ) -> Iterator[bytes]:
     schema = arrow_schema(job_id)
+    return _write_batches(schema, (record_batch(schema, cols) for cols in chunks), open_writer)
+
+
+def _write_batches(
+    schema: Any, batches: Iterator[Any], open_writer: Callable[[Any, Any], Any]
+) -> Iterator[bytes]:
     sink = _Sink()
     writer = open_writer(sink, schema)
     try:
-        for cols in chunks:
-            writer.write_batch(record_batch(schema, cols))
+        for batch in batches:
+            writer.write_batch(batch)
             if out := sink.take():
                 yield out
     finally:
@@ -346,16 +353,33 @@ def _encode(
         yield out
 
 
+def arrow_batches(schema: Any, batches: Iterator[Any]) -> Iterator[bytes]:
+    """Record batches of any schema as an Arrow IPC stream, written out as they come."""
+    pa = pyarrow()
+    return _write_batches(schema, batches, lambda sink, sch: pa.ipc.new_stream(sink, sch))
+
+
+def parquet_batches(schema: Any, batches: Iterator[Any]) -> Iterator[bytes]:
+    """Record batches of any schema as a Parquet file, a row group per batch, uncompressed
+    (as the history's)."""
+    pyarrow()
+    import pyarrow.parquet as pq
+
+    return _write_batches(
+        schema, batches, lambda sink, sch: pq.ParquetWriter(sink, sch, compression="none")
+    )
+
+
 def arrow_stream(chunks: Iterator[Columns], job_id: int) -> Iterator[bytes]:
     """An Arrow IPC stream: the schema, a record batch per chunk, the end-of-stream mark."""
-    pa = _pyarrow()
+    pa = pyarrow()
     return _encode(chunks, job_id, lambda sink, schema: pa.ipc.new_stream(sink, schema))
 
 
 def parquet_stream(chunks: Iterator[Columns], job_id: int) -> Iterator[bytes]:
     """A Parquet file, a row group per chunk (written out as each is complete), the footer
     last."""
-    _pyarrow()
+    pyarrow()
     import pyarrow.parquet as pq
 
     # No dictionary for step and loss (almost every value differs: a dictionary only costs

@@ -24,7 +24,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
-from service import ingest
+from service import gradients, ingest
 from service.db import upsert
 from service.models import FLOAT32_MAX, Job, ScaleEvent, Step, StepRollup
 from service.rollups import (
@@ -228,11 +228,14 @@ def relax_commit(session: Session) -> None:
 
 
 def truncate_after(session: Session, job: Job, step: int) -> None:
-    """Forget history from ``step`` on (a resumed attempt re-runs those steps) and recompute
-    the summary from what remains, so it matches the rows exactly. When rows were forgotten,
-    the job's ``history_version`` moves on, so that clients drop what they read from there."""
+    """Forget history from ``step`` on (a resumed attempt re-runs those steps), its gradient
+    samples with it, and recompute the summaries from what remains, so they match the rows
+    exactly. When rows of either were forgotten, the job's ``history_version`` moves on, so
+    that clients drop what they read from there. The caller writes the attempt's new rows
+    after this, in the same transaction."""
     forgotten = session.execute(delete(Step).where(Step.job_id == job.id, Step.step >= step))
-    if forgotten.rowcount:  # type: ignore[attr-defined]
+    samples_forgotten = gradients.truncate_samples(session, job, step)
+    if forgotten.rowcount or samples_forgotten:  # type: ignore[attr-defined]
         job.history_version += 1
         job.history_reset_step = step
     session.execute(delete(ScaleEvent).where(ScaleEvent.job_id == job.id, ScaleEvent.step >= step))

@@ -128,6 +128,8 @@ class Claim:
     attempt: int
     spec: dict[str, Any]
     checkpoint_step: int | None
+    # The auto policy's pick of an earlier attempt, for the child to train with again.
+    precision_decision: dict[str, Any] | None = None
 
 
 # Every time below comes from the database's clock (db_now): a lease is compared with times
@@ -195,12 +197,18 @@ def claim_next(
             started_at=func.coalesce(Job.started_at, db_now()),
             updated_at=db_now(),
         )
-        .returning(Job.id, Job.attempt, Job.spec, Job.checkpoint_step)
+        .returning(Job.id, Job.attempt, Job.spec, Job.checkpoint_step, Job.precision_decision)
         .execution_options(synchronize_session=False)
     ).one_or_none()
     if row is None:
         return None
-    return Claim(job_id=row[0], attempt=row[1], spec=row[2], checkpoint_step=row[3])
+    return Claim(
+        job_id=row[0],
+        attempt=row[1],
+        spec=row[2],
+        checkpoint_step=row[3],
+        precision_decision=row[4],
+    )
 
 
 @dataclass(frozen=True)

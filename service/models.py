@@ -190,6 +190,13 @@ class Job(Base):
     precision_report: Mapped[list[Any]] = mapped_column(default=list)
     forensics: Mapped[list[Any]] = mapped_column(default=list)
     device: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # The auto policy's pick and its probes (workers.autoprecision), given to every later
+    # attempt so that a resumed one builds the same model (migration 0008).
+    precision_decision: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # {"latest": ..., "latest_shadow": ...}: the model-level figures of the last gradient
+    # sample and of the last shadow sample, kept as samples are written and recomputed when a
+    # resume cuts them (service/gradients.py).
+    gradients_summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class Step(Base):
@@ -252,6 +259,36 @@ class ScaleEvent(Base):
     old_scale: Mapped[float] = mapped_column(Real32)
     new_scale: Mapped[float] = mapped_column(Real32)
     reason: Mapped[str] = mapped_column(String(8))
+
+
+class GradientSample(Base):
+    """The gradient statistics of one sampled step (every ``gradients.every`` steps): the
+    model-level figures as columns, each variable's in ``variables`` (a JSON list). A few
+    per hundred steps, written in the supervisor's general flush; a resume deletes those
+    from its cut on, as it does the steps (``history.truncate_after``)."""
+
+    __tablename__ = "gradient_sample"
+    __table_args__ = (
+        # The summary's latest shadow sample after a cut: one probe, however long the job.
+        Index("ix_gradient_sample_shadow", "job_id", "shadow", "step"),
+        {"sqlite_with_rowid": False},
+    )
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    loss_scale: Mapped[float] = mapped_column(Float)
+    shadow: Mapped[bool] = mapped_column(Boolean)
+    finite: Mapped[bool] = mapped_column(Boolean)
+    # NULL where a figure is undefined (no nonzero element; no shadow at this step).
+    zero_share: Mapped[float | None] = mapped_column(Float, nullable=True)
+    log2_max: Mapped[float | None] = mapped_column(Float, nullable=True)
+    log2_min_nonzero: Mapped[float | None] = mapped_column(Float, nullable=True)
+    headroom: Mapped[float | None] = mapped_column(Float, nullable=True)
+    subnormal_share: Mapped[float | None] = mapped_column(Float, nullable=True)
+    underflow_share: Mapped[float | None] = mapped_column(Float, nullable=True)
+    lost_share: Mapped[float | None] = mapped_column(Float, nullable=True)
+    relative_error: Mapped[float | None] = mapped_column(Float, nullable=True)
+    variables: Mapped[list[Any]]
 
 
 class User(Base):

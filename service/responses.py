@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
 )
 
@@ -50,6 +51,125 @@ class Summary(BaseModel):
     metrics: dict[str, Any]
 
 
+class GradientFigures(BaseModel):
+    """The whole model's gradient figures at one sampled step. ``G`` is the gradient of the
+    scaled loss as the optimizer received it (before unscaling), ``S`` the step's loss
+    scale; a figure is null where it is undefined."""
+
+    step: int
+    loss_scale: float = Field(description="S: the scale that multiplied this step's loss.")
+    shadow: bool = Field(description="Whether the float32 shadow ran at this step.")
+    finite: bool = Field(description="All elements of G finite.")
+    zero_share: float | None = Field(description="Share of the elements of G exactly zero.")
+    log2_max: float | None = Field(description="log2 of the largest |G|.")
+    log2_min_nonzero: float | None = Field(description="log2 of the smallest nonzero |G|.")
+    headroom: float | None = Field(
+        description="Doublings left before float16's largest finite value (65504)."
+    )
+    subnormal_share: float | None = Field(
+        description="Share of the nonzero elements of G below 2^-14 (float16 subnormals)."
+    )
+    underflow_share: float | None = Field(
+        description="Shadow steps: share of the nonzero elements of the float32 gradient g32 "
+        "whose magnitude times S is below 2^-24 (they flush to zero in float16)."
+    )
+    lost_share: float | None = Field(
+        description="Shadow steps: elements nonzero in g32 but zero in G (what the run lost)."
+    )
+    relative_error: float | None = Field(description="Shadow steps: |G/S - g32| / |g32|.")
+
+
+class VariableFigures(BaseModel):
+    """One trainable variable's figures at a sampled step (as the model's)."""
+
+    name: str
+    finite: bool
+    zero_share: float | None
+    log2_max: float | None
+    log2_min_nonzero: float | None
+    headroom: float | None
+    subnormal_share: float | None
+    underflow_share: float | None
+    lost_share: float | None
+    relative_error: float | None
+
+
+class GradientSampleOut(GradientFigures):
+    variables: list[VariableFigures] = Field(description="Each trainable variable's figures.")
+
+
+class GradientsPage(BaseModel):
+    """``GET /v1/jobs/{id}/gradients``: sampled steps in step order."""
+
+    job_id: int
+    history_version: int = Field(
+        description="As the history's: a resume that cut samples moves it on (start over)."
+    )
+    samples: list[GradientSampleOut]
+    next_after_step: int | None = Field(
+        description="Pass as ?after_step= for the next page; null when no more samples are "
+        "stored right now (poll again from the last step you hold)."
+    )
+
+
+class GradientColumns(BaseModel):
+    step: list[int]
+    loss_scale: list[float]
+    shadow: list[bool]
+    finite: list[bool]
+    zero_share: list[float | None]
+    log2_max: list[float | None]
+    log2_min_nonzero: list[float | None]
+    headroom: list[float | None]
+    subnormal_share: list[float | None]
+    underflow_share: list[float | None]
+    lost_share: list[float | None]
+    relative_error: list[float | None]
+
+
+class GradientColumnsPage(BaseModel):
+    """``?format=columns``: the model-level figures as one array per field."""
+
+    job_id: int
+    history_version: int
+    columns: GradientColumns
+    next_after_step: int | None = Field(description="As in the JSON page.")
+
+
+class GradientsSummary(BaseModel):
+    latest: GradientFigures | None = Field(description="The last sampled step.")
+    latest_shadow: GradientFigures | None = Field(
+        description="The last step sampled with the float32 shadow."
+    )
+
+
+class ProbeOut(BaseModel):
+    """One candidate policy's probe (precision.policy "auto")."""
+
+    model_config = ConfigDict(extra="allow")
+
+    policy: str
+    median_step_seconds: float | None = Field(None, description="After warm-up.")
+    mean_loss: float | None = None
+    loss_gap: float | None = Field(None, description="Against float32's loss.")
+    overflow_steps: int | None = None
+    steps: int | None = None
+    underflow_share: float | None = None
+    lost_share: float | None = None
+    eligible: bool = False
+    why: str = ""
+
+
+class PrecisionDecisionOut(BaseModel):
+    """What precision.policy "auto" chose, why, and the probes it chose from."""
+
+    model_config = ConfigDict(extra="allow")
+
+    policy: str
+    reason: str = ""
+    probes: list[ProbeOut] = Field(default_factory=list)
+
+
 class JobOut(BaseModel):
     id: int
     name: str
@@ -86,6 +206,12 @@ class JobOut(BaseModel):
     )
     history_reset_step: int | None = Field(
         description="The first step the latest rewrite replaced (null: never rewritten)."
+    )
+    gradients: GradientsSummary | None = Field(
+        None, description="The latest gradient sample and shadow sample (null: none yet)."
+    )
+    precision_decision: PrecisionDecisionOut | None = Field(
+        None, description='precision.policy "auto": what was chosen and why (null: not yet).'
     )
 
 

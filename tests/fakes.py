@@ -1,7 +1,25 @@
 """Fake trainers for supervisor tests: real spawned processes that speak the child protocol
 without TensorFlow. Module-level functions, so ``spawn`` can import them in the child.
 
-Each reads what to do from ``spec["fake"]`` (the supervisor passes the spec through as is)."""
+Each reads what to do from ``spec["fake"]`` (the supervisor passes the spec through as is).
+
+Gradient samples, the precision decision and alarms (issue #24), in ``spec["fake"]`` for the
+``succeed`` and ``slow`` modes, and in each attempt of a ``plan`` (``plan[attempt - 1]``);
+none of them is on by default, so every other fake behaves as before:
+
+- ``gradients_every: N``: after each batch of steps, a ``gradients`` message with a sample
+  (``fake_sample``) of every step ``s`` of the batch with ``s % N == 0``, two variables each
+  (``dense/kernel``, ``dense/bias``); figures depend on the attempt, so a test can tell which
+  attempt wrote a sample.
+- ``shadow_every: M``: the samples of steps with ``s % M == 0`` are shadow samples (their
+  ``underflow_share``, ``lost_share`` and ``relative_error`` are set).
+- ``decision: true`` (``DECISION``) or a decision object: sent before ``started``, as the auto
+  policy's child does, when the payload carries no ``precision_decision``; when it carries
+  one, the fake instead sends the note ``decision_note(policy)`` ("trained with the stored
+  precision decision: ...") and does not decide again.
+- ``alarm_at: step`` (with ``alarm_message``, default ``alarm_text(step)``): an ``alarm``
+  message after the batch holding that step.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +31,119 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+VARIABLES = ("dense/kernel", "dense/bias")
+DECISION: dict[str, Any] = {
+    "policy": "mixed_float16",
+    "reason": "fake: the fastest candidate whose loss tracks float32's",
+    "probes": [
+        {
+            "policy": policy,
+            "median_step_seconds": seconds,
+            "mean_loss": 0.5,
+            "loss_gap": gap,
+            "overflow_steps": 0,
+            "steps": 20,
+            "underflow_share": 0.0,
+            "lost_share": 0.0,
+            "eligible": True,
+            "why": "within tolerance",
+        }
+        for policy, seconds, gap in (
+            ("float32", 0.004, 0.0),
+            ("mixed_bfloat16", 0.003, 0.01),
+            ("mixed_float16", 0.002, 0.001),
+        )
+    ],
+}
+
+
+def decision_note(policy: str) -> str:
+    return f"trained with the stored precision decision: {policy}"
+
+
+def alarm_text(step: int) -> str:
+    return f"fake alarm: gradient underflow up to step {step}; try a larger initial_scale"
+
+
+def fake_sample(
+    step: int, *, attempt: int = 1, scale: float = 1024.0, shadow: bool = False, finite: bool = True
+) -> dict[str, Any]:
+    """The sample the fake sends for ``step`` (figures exact in binary, so they round-trip
+    through both databases and JSON unchanged)."""
+    log2_max = None if not finite else -2.0 - (step % 5)
+
+    def figures(zero_share: float, offset: float) -> dict[str, Any]:
+        top = None if log2_max is None else log2_max - offset
+        return {
+            "finite": finite,
+            "zero_share": zero_share,
+            "log2_max": top,
+            "log2_min_nonzero": -30.0 + (step % 3) - offset,
+            "headroom": None if top is None else 15.75 - top,
+            "subnormal_share": 0.125,
+            "underflow_share": 0.03125 * attempt if shadow else None,
+            "lost_share": 0.015625 * attempt if shadow else None,
+            "relative_error": 0.0009765625 * attempt if shadow else None,
+        }
+
+    return {
+        "step": step,
+        "loss_scale": scale,
+        "shadow": shadow,
+        **figures(0.0078125 * attempt, 0.0),
+        "variables": [
+            {"name": name, **figures(0.25 * i, float(i))} for i, name in enumerate(VARIABLES)
+        ],
+    }
+
+
+class Meter:
+    """What a fake attempt sends besides its steps: the decision first, then gradient
+    samples and an alarm as the batches go out (see the module's doc)."""
+
+    def __init__(self, options: dict[str, Any], payload: dict[str, Any]) -> None:
+        self.every = int(options.get("gradients_every", 0))
+        self.shadow_every = int(options.get("shadow_every", 0))
+        self.decision = options.get("decision")
+        self.alarm_at = options.get("alarm_at")
+        self.alarm_message = options.get("alarm_message")
+        self.attempt = int(payload.get("attempt") or 1)
+        self.stored = payload.get("precision_decision")
+
+    def decide(self, conn: Connection) -> None:
+        if not self.decision:
+            return
+        if self.stored is not None:
+            conn.send({"type": "note", "message": decision_note(self.stored["policy"])})
+            return
+        decision = DECISION if self.decision is True else self.decision
+        conn.send({"type": "decision", "decision": decision})
+
+    def after(
+        self,
+        conn: Connection,
+        steps: range,
+        scale: float = 1024.0,
+        overflow: set[int] | frozenset[int] = frozenset(),
+    ) -> None:
+        if self.every > 0:
+            samples = [
+                fake_sample(
+                    s,
+                    attempt=self.attempt,
+                    scale=scale,
+                    shadow=self.shadow_every > 0 and s % self.shadow_every == 0,
+                    finite=s not in overflow,
+                )
+                for s in steps
+                if s % self.every == 0
+            ]
+            if samples:
+                conn.send({"type": "gradients", "samples": samples})
+        if self.alarm_at is not None and self.alarm_at in steps:
+            message = self.alarm_message or alarm_text(self.alarm_at)
+            conn.send({"type": "alarm", "message": message})
 
 
 def _records(
@@ -55,6 +186,8 @@ def _attempt_of_a_plan(payload: dict[str, Any], conn: Connection, plan: list[Any
     step_plan = plan[attempt - 1]
     start = payload["resume_step"] or 0
     total = int(step_plan.get("total", step_plan["until"]))
+    meter = Meter(step_plan, payload)
+    meter.decide(conn)
     _started(conn, total, start=start)
     overflow = set(step_plan.get("overflow_at", []))
     checkpoint = step_plan.get("checkpoint_at")
@@ -67,6 +200,7 @@ def _attempt_of_a_plan(payload: dict[str, Any], conn: Connection, plan: list[Any
             for s in range(first, last)
         ]
         conn.send({"type": "steps", "records": records, "steps_per_second": 100.0})
+        meter.after(conn, range(first, last), overflow=overflow)
         if checkpoint is not None and first < checkpoint <= last:
             _write_checkpoint(payload, checkpoint)
             conn.send({"type": "checkpoint", "step": checkpoint})
@@ -102,6 +236,8 @@ def trainer(payload: dict[str, Any], conn: Connection) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if mode == "ignore_sigterm":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    meter = Meter(fake, payload)
+    meter.decide(conn)
     _started(
         conn,
         steps,
@@ -137,6 +273,7 @@ def trainer(payload: dict[str, Any], conn: Connection) -> None:
         step = 0
         while step < steps and not stop.is_set():
             conn.send({"type": "steps", "records": _records(step, 1), "steps_per_second": None})
+            meter.after(conn, range(step, step + 1))
             step += 1
             time.sleep(interval)
         if stop.is_set():
@@ -154,6 +291,7 @@ def trainer(payload: dict[str, Any], conn: Connection) -> None:
                 "steps_per_second": 100.0,
             }
         )
+        meter.after(conn, range(first, min(first + batch, steps)))
     conn.send({"type": "metrics", "epoch": 0, "metrics": {"loss": 0.5}})
     if "timing" in fake:
         conn.send({"type": "metrics", "epoch": -1, "metrics": fake["timing"]})

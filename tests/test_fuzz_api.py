@@ -69,6 +69,7 @@ OPERATIONS = [
     "GET /v1/jobs/{job_id}/history.csv",
     "GET /v1/jobs/{job_id}/history.arrow",
     "GET /v1/jobs/{job_id}/history.parquet",
+    "GET /v1/jobs/{job_id}/gradients",
     "GET /v1/jobs/{job_id}/events",
     "GET /v1/history",
     "GET /v1/policies",
@@ -89,7 +90,8 @@ OPERATIONS = [
 # Schema-valid input that a rule spanning several fields still refuses, rightly, with a 422:
 # a loss scale outside [min_scale, max_scale], a model that does not fit its data, momentum on
 # adam, a sweep without variants, to_step below from_step, more than 10,000 rows a page
-# without format=columns, bytes that are not an .npz.
+# without format=columns (or 1,000 gradient samples with format=json), bytes that are not an
+# .npz.
 # JSON Schema cannot say these, so "valid data is accepted" is not checked here; the 422 must
 # still name the field (checked for every operation).
 CROSS_FIELD = {
@@ -101,6 +103,7 @@ CROSS_FIELD = {
     "GET /v1/jobs/{job_id}/history",
     "GET /v1/jobs/{job_id}/history.arrow",
     "GET /v1/jobs/{job_id}/history.parquet",
+    "GET /v1/jobs/{job_id}/gradients",
 }
 STREAMING = "GET /v1/jobs/{job_id}/events"
 SPECS = {"POST /v1/jobs", "POST /v1/sweeps"}

@@ -36,6 +36,13 @@ class Attempt:
     new_warnings: list[str] = field(default_factory=list)
     new_forensics: list[dict[str, Any]] = field(default_factory=list)
     new_notes: list[str] = field(default_factory=list)
+    # Gradient samples not yet written (cleaned, in step order), and when the oldest of them
+    # arrived (monotonic): they ride the general flush, which they force only once that is
+    # GRADIENTS_HOLD_SECONDS ago (workers/flush.py).
+    new_gradients: list[dict[str, Any]] = field(default_factory=list)
+    gradients_since: float | None = None
+    # The attempt has ended: its last flushes must write everything it holds.
+    ending: bool = False
     pid: int | None = None
     placement: dict[str, str] = field(default_factory=dict)
     truncate_at: int | None = None

@@ -1,17 +1,24 @@
 """The supervisor's writes of one attempt's history and updates to the database, each with a
 renewal of its lease (fenced by ``worker_id``): the common history-only flush in one
 statement on PostgreSQL (``service.heldflush``), else the general transaction. A database
-that does not answer keeps everything pending for the next try. No TensorFlow."""
+that does not answer keeps everything pending for the next try. No TensorFlow.
+
+Gradient samples go in the general transaction only. They do not force it at once: a job
+sampling every few steps would otherwise never take the one-statement flush. They ride the
+next general flush (anything else pending forces one: a checkpoint's acknowledgement, a
+truncation, metrics, the attempt's end), or force one themselves when the oldest of them
+has waited ``GRADIENTS_HOLD_SECONDS``."""
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import psycopg
 from sqlalchemy.exc import DBAPIError
 
-from service import history, jobs
+from service import gradients, history, jobs
 from service.db import Database
 from service.heldflush import Held, HeldAppender
 from service.history import StepRecord
@@ -26,6 +33,8 @@ log = logging.getLogger("halfway.worker")
 DB_RETRY_MAX_SECONDS = 5.0
 # At most this many flushes in a row commit without waiting for the disk; the next one waits.
 RELAXED_FLUSHES = 8
+# The longest a gradient sample waits for a general flush to ride before it forces one.
+GRADIENTS_HOLD_SECONDS = 5.0
 
 
 class HistoryWriter:
@@ -65,9 +74,14 @@ class HistoryWriter:
             and not run.new_forensics
         )
         held = self._append_held(run, pending, durable=not relaxed)
+        samples = run.new_gradients
+        wrote_samples = held is None
         if held is None:
+            # A commit carrying samples waits for the disk: unlike step rows, they are not
+            # kept to be written again should the database lose a relaxed commit.
+            relaxed = relaxed and not samples
             try:
-                held = self._write(run, pending, durable=not relaxed)
+                held = self._write(run, pending, samples, durable=not relaxed)
             except DBAPIError as exc:
                 if run.db_down_since is None:
                     run.db_down_since = time.monotonic()
@@ -113,8 +127,21 @@ class HistoryWriter:
         run.new_notes = []
         run.truncate_at = None
         run.missing_checkpoint = None
+        if wrote_samples:
+            run.new_gradients = run.new_gradients[len(samples) :]
+            run.gradients_since = None
         run.last_sync = time.monotonic()
         return True
+
+    @staticmethod
+    def gradients_due(run: Attempt) -> bool:
+        """Whether pending samples must be written now, by the general flush: the oldest has
+        waited long enough, or the attempt is ending."""
+        if not run.new_gradients:
+            return False
+        if run.ending or run.gradients_since is None:
+            return True
+        return time.monotonic() - run.gradients_since >= GRADIENTS_HOLD_SECONDS
 
     def _append_held(
         self, run: Attempt, pending: list[StepRecord], *, durable: bool
@@ -133,6 +160,7 @@ class HistoryWriter:
             or run.new_warnings
             or run.new_forensics
             or run.new_notes
+            or self.gradients_due(run)
         ):
             return None
         try:
@@ -161,7 +189,14 @@ class HistoryWriter:
         run.cancel_requested = run.cancel_requested or written.cancel_requested
         return written.held
 
-    def _write(self, run: Attempt, pending: list[StepRecord], *, durable: bool) -> Held | None:
+    def _write(
+        self,
+        run: Attempt,
+        pending: list[StepRecord],
+        samples: list[dict[str, Any]],
+        *,
+        durable: bool,
+    ) -> Held | None:
         """The general flush: renew the lease, load the job, write what is pending, in one
         transaction. None if the lease is not ours any more; else where the history ends."""
         with self.db.write() as session:
@@ -223,4 +258,7 @@ class HistoryWriter:
                 steps_per_second=run.steps_per_second,
                 durable=durable,
             )
+            # After the truncation above: a resumed attempt's samples from its cut on replace
+            # those of the attempt before, and none of the old ones survives the cut.
+            gradients.write_samples(session, job, samples)
             return Held.of(job)

@@ -64,6 +64,82 @@ class Saved(TypedDict):
     names: list[str]
 
 
+class VariableSample(TypedDict):
+    """One trainable variable's figures at a sampled step (the last three are None on a
+    step without the float32 shadow)."""
+
+    name: str
+    finite: bool
+    zero_share: float | None
+    log2_max: float | None
+    log2_min_nonzero: float | None
+    headroom: float | None
+    subnormal_share: float | None
+    underflow_share: float | None
+    lost_share: float | None
+    relative_error: float | None
+
+
+class Sample(TypedDict):
+    """The gradient statistics of one sampled step: the whole model's, then each
+    variable's. A figure is None where it is undefined; never inf or NaN."""
+
+    step: int
+    loss_scale: float
+    shadow: bool
+    finite: bool
+    zero_share: float | None
+    log2_max: float | None
+    log2_min_nonzero: float | None
+    headroom: float | None
+    subnormal_share: float | None
+    underflow_share: float | None
+    lost_share: float | None
+    relative_error: float | None
+    variables: list[VariableSample]
+
+
+class Gradients(TypedDict):
+    type: Literal["gradients"]
+    samples: list[Sample]  # in step order
+
+
+class Probe(TypedDict):
+    """One candidate policy's short probe (precision.policy "auto")."""
+
+    policy: str
+    median_step_seconds: float | None
+    mean_loss: float | None
+    loss_gap: float | None
+    overflow_steps: int
+    steps: int
+    underflow_share: float | None
+    lost_share: float | None
+    eligible: bool
+    why: str
+
+
+class DecisionRecord(TypedDict):
+    policy: str
+    reason: str
+    probes: list[Probe]
+
+
+class Decision(TypedDict):
+    """The auto policy's pick, sent once, before "started". The supervisor stores it on the
+    job and hands it to every later attempt (payload "precision_decision")."""
+
+    type: Literal["decision"]
+    decision: DecisionRecord
+
+
+class Alarm(TypedDict):
+    """A gradient alarm's explanation, for the job's warnings (kept once)."""
+
+    type: Literal["alarm"]
+    message: str
+
+
 class Done(TypedDict):
     type: Literal["done"]
     status: Literal["succeeded", "failed", "cancelled"]
@@ -71,4 +147,17 @@ class Done(TypedDict):
     retryable: bool
 
 
-Message = Started | Steps | EpochMetrics | Checkpointed | Warning_ | Forensics | Note | Saved | Done
+Message = (
+    Started
+    | Steps
+    | EpochMetrics
+    | Checkpointed
+    | Warning_
+    | Forensics
+    | Note
+    | Saved
+    | Gradients
+    | Decision
+    | Alarm
+    | Done
+)

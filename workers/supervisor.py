@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
-from service import grants, jobs
+from service import gradients, grants, jobs
 from service.db import Database
 from service.heldflush import HeldAppender
 from service.history import StepRecord
@@ -170,6 +170,9 @@ class Supervisor:
             "max_parameters": self.settings.max_parameters,
             "code_dir": str(self.settings.resolved_code_dir()),
             "isolation": self.settings.code_isolation,
+            # The auto policy's pick of an earlier attempt: this one trains with it and does
+            # not probe again, so that a resumed attempt builds the same model.
+            "precision_decision": claim.precision_decision,
         }
 
     def _gpus_for(self, spec: dict[str, Any]) -> list[int]:
@@ -287,6 +290,7 @@ class Supervisor:
                 )
                 run.updates["checkpoint_step"] = None
             run.pending = [r for r in run.pending if r.step >= msg["start_step"]]
+            run.new_gradients = [g for g in run.new_gradients if g["step"] >= msg["start_step"]]
             run.new_warnings += list(msg["device"].get("warnings", []))
             run.updates.update(
                 total_steps=msg["total_steps"],
@@ -315,8 +319,44 @@ class Supervisor:
             run.new_forensics.append(msg["report"])
         elif msg["type"] == "note":
             run.new_notes.append(msg["message"])
+        elif msg["type"] == "gradients":
+            self._take_gradients(run, msg["samples"])
+        elif msg["type"] == "decision":
+            self._take_decision(run, msg["decision"])
+        elif msg["type"] == "alarm":
+            message = str(msg["message"])
+            if message not in run.new_warnings:
+                run.new_warnings.append(message)  # and once on the job (the flush)
         elif msg["type"] == "done":
             run.done = msg
+
+    def _take_decision(self, run: Attempt, decision: Any) -> None:
+        try:
+            run.updates["precision_decision"] = gradients.clean_decision(decision)
+        except (TypeError, ValueError, AttributeError) as exc:
+            log.warning(
+                "job %s: dropped a malformed precision decision: %s",
+                run.job_id,
+                exc,
+                extra=self._context(run.job_id),
+            )
+
+    def _take_gradients(self, run: Attempt, samples: list[Any]) -> None:
+        """Keep the child's samples for the next general flush, cleaned: the child runs the
+        user's code, and a sample that is not one is dropped with a line in the log rather
+        than failing the flush that carries it (and every one after it)."""
+        for sample in samples if isinstance(samples, list) else [samples]:
+            try:
+                run.new_gradients.append(gradients.clean_sample(sample))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                log.warning(
+                    "job %s: dropped a malformed gradient sample: %s",
+                    run.job_id,
+                    exc,
+                    extra=self._context(run.job_id),
+                )
+        if run.new_gradients and run.gradients_since is None:
+            run.gradients_since = time.monotonic()
 
     def _tick(self, run: Attempt, process: Handle) -> None:
         now = time.monotonic()
@@ -363,6 +403,7 @@ class Supervisor:
         outcome = decide(run, exitcode)
         if stored is not None and outcome.status == "succeeded":
             outcome = stored
+        run.ending = True  # the flushes below write every sample still held
         # Keep trying until the database takes the final state: the history we hold is the
         # only copy.
         while True:

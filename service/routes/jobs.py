@@ -31,8 +31,10 @@ from service.etag import etag_response, respond, serialize
 from service.models import Job, utcnow
 from service.pollcache import Listing, ListKey, PollCache, Snapshot
 from service.responses import (
+    GradientsSummary,
     JobOut,
     JobPage,
+    PrecisionDecisionOut,
     Progress,
     Summary,
     error_responses,
@@ -95,6 +97,16 @@ def job_out(job: Job) -> JobOut:
         spec=job.spec,
         history_version=job.history_version,
         history_reset_step=job.history_reset_step,
+        gradients=(
+            None
+            if job.gradients_summary is None
+            else GradientsSummary.model_validate(job.gradients_summary)
+        ),
+        precision_decision=(
+            None
+            if job.precision_decision is None
+            else PrecisionDecisionOut.model_validate(job.precision_decision)
+        ),
     )
 
 
