@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from service import jobs, normalization
 from service.errors import FieldErrors, NotFound, SpecError
 from service.models import FINISHED_STATUSES, Job, Sweep
+from service.policies import AUTO, POLICIES, loss_scale_mode_for
 from service.responses import SweepOut, VariantResult, json_float
 from service.schemas import JobSpec, SweepSpec
 from service.settings import Settings
@@ -73,6 +74,17 @@ def create_sweep(
     return row
 
 
+def trained_as(job: Job) -> tuple[str, str]:
+    """The policy and loss-scale mode a job trained with: for policy 'auto', its recorded
+    choice (until it has chosen, 'auto' itself)."""
+    policy: str = job.spec["precision"]["policy"]
+    mode: str = job.spec["loss_scale"]["mode"]
+    if policy == AUTO and job.precision_decision:
+        policy = job.precision_decision["policy"]
+        mode = loss_scale_mode_for(mode, POLICIES[policy].compute_dtype)
+    return policy, mode
+
+
 def compare(session: Session, sweep_id: int) -> SweepOut:
     sweep = session.get(Sweep, sweep_id)
     if sweep is None:
@@ -82,7 +94,7 @@ def compare(session: Session, sweep_id: int) -> SweepOut:
         (
             _timing(j).get("median_step_seconds")
             for j in rows
-            if j.spec["precision"]["policy"] == "float32" and j.status == "succeeded"
+            if trained_as(j)[0] == "float32" and j.status == "succeeded"
         ),
         None,
     )
@@ -92,15 +104,16 @@ def compare(session: Session, sweep_id: int) -> SweepOut:
         last_epoch = dict(j.metrics.get("last_epoch", {}))
         last_epoch.pop("epoch", None)
         step_s = timing.get("median_step_seconds")
-        scaled = j.spec["loss_scale"]["mode"] in ("dynamic", "fixed")
+        policy, mode = trained_as(j)
+        scaled = mode in ("dynamic", "fixed")
         variants.append(
             VariantResult(
                 job_id=j.id,
                 name=j.name,
                 status=j.status,
                 error=j.error,
-                policy=j.spec["precision"]["policy"],
-                loss_scale_mode=j.spec["loss_scale"]["mode"],
+                policy=policy,
+                loss_scale_mode=mode,
                 examples_per_second=timing.get("examples_per_second"),
                 median_step_seconds=step_s,
                 speedup_vs_float32=(float32_step / step_s) if float32_step and step_s else None,

@@ -349,13 +349,20 @@ def test_an_exception_in_user_code_fails_once_naming_the_bundle_line(
 def test_sigkilled_worker_resumes_a_code_job_with_no_gap_and_no_duplicate(
     live: Live, settings: Settings, tmp_path: Path
 ) -> None:
-    from tests.test_crash_recovery import alive, children, start_worker, wait_until
+    from tests.test_crash_recovery import (
+        alive,
+        check_gradients_across_resume,
+        children,
+        start_worker,
+        wait_until,
+    )
 
     write_records(settings.resolved_data_dir() / "own-code", samples=3200)
     spec = example_spec(push(live, EXAMPLE / "bundle"))
     spec["training"] = {"epochs": 12, "steps_per_execution": 10, "checkpoint_every": 150}
     spec["code"]["args"]["decay_steps"] = 1200
     spec["faults"] = {"nonfinite_at_steps": [30, 700]}
+    spec["gradients"] = {"every": 50, "shadow_every": 150}
     job_id = live.api("POST", "/v1/jobs", live.team.admin, json=spec)["id"]
     total = 12 * 100
     log = tmp_path / "workers.log"
@@ -377,6 +384,7 @@ def test_sigkilled_worker_resumes_a_code_job_with_no_gap_and_no_duplicate(
             first.kill()
     killed = live.api("GET", f"/v1/jobs/{job_id}")
     assert killed["status"] == "running" and killed["summary"]["last_step"] < total - 1
+    cut = killed["summary"]["last_step"] >= killed["summary"]["checkpoint_step"]
     second = start_worker(settings, log)
     try:
         job = wait_for(live, job_id, timeout=400)
@@ -392,6 +400,9 @@ def test_sigkilled_worker_resumes_a_code_job_with_no_gap_and_no_duplicate(
         [r["finite"] for r in rows], growth_steps=20
     )
     assert any("resumed at epoch" in n and "skipped" in n for n in job["notes"]), job["notes"]
+    check_gradients_across_resume(
+        lambda path: live.api("GET", path), job_id, total, every=50, shadow_every=150, cut=cut
+    )
 
 
 def test_pack_of_the_example_holds_only_its_sources() -> None:

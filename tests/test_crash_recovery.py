@@ -61,6 +61,38 @@ def wait_until(predicate: Any, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def all_gradients(get: Any, job_id: int) -> tuple[list[dict[str, Any]], set[int]]:
+    """Every gradient sample of a job, page by page, and the history versions the pages
+    carried (one, unless a resume rewrote the history meanwhile)."""
+    samples: list[dict[str, Any]] = []
+    versions: set[int] = set()
+    after = -1
+    while True:
+        page = get(f"/v1/jobs/{job_id}/gradients?after_step={after}&limit=7")
+        samples += page["samples"]
+        versions.add(page["history_version"])
+        if page["next_after_step"] is None:
+            return samples, versions
+        after = page["next_after_step"]
+
+
+def check_gradients_across_resume(
+    get: Any, job_id: int, total: int, every: int, shadow_every: int, cut: bool
+) -> None:
+    """One sample per sampled step, in order, across the resume; the shadow's on its steps;
+    the pages carry the history's version, which moved if the resume cut stored rows."""
+    samples, versions = all_gradients(get, job_id)
+    assert [s["step"] for s in samples] == list(range(0, total, every))
+    assert [s["shadow"] for s in samples] == [s["step"] % shadow_every == 0 for s in samples]
+    assert all(s["lost_share"] is not None for s in samples if s["shadow"])
+    assert all(s["variables"] and s["zero_share"] is not None for s in samples)
+    history_version = get(f"/v1/jobs/{job_id}/history?limit=1")["history_version"]
+    assert versions == {history_version}
+    assert history_version >= 1 if cut else history_version == 0
+    latest = get(f"/v1/jobs/{job_id}")["gradients"]["latest"]
+    assert latest["step"] == samples[-1]["step"]
+
+
 def test_sigkilled_worker_job_resumes_from_checkpoint_with_no_gap_and_no_duplicate(
     api: Api, settings: Settings, tmp_path: Path
 ) -> None:
@@ -75,6 +107,7 @@ def test_sigkilled_worker_job_resumes_from_checkpoint_with_no_gap_and_no_duplica
         },
         "loss_scale": {"growth_steps": 150},
         "faults": {"nonfinite_at_steps": [30, 700, 701, 2500]},
+        "gradients": {"every": 100, "shadow_every": 400},
     }
     job_id = api.post("/v1/jobs", json=spec).json()["id"]
     total = 40 * 100
@@ -100,6 +133,7 @@ def test_sigkilled_worker_job_resumes_from_checkpoint_with_no_gap_and_no_duplica
     killed_at = api.get(f"/v1/jobs/{job_id}").json()
     assert killed_at["status"] == "running" and killed_at["attempt"] == 1
     checkpoint = killed_at["summary"]["checkpoint_step"]
+    cut = killed_at["summary"]["last_step"] >= checkpoint  # rows the resume must rewrite
 
     second = start_worker(settings, log)
     try:
@@ -129,3 +163,6 @@ def test_sigkilled_worker_job_resumes_from_checkpoint_with_no_gap_and_no_duplica
         [r["finite"] for r in rows], growth_steps=150
     )
     assert checkpoint >= 400
+    check_gradients_across_resume(
+        lambda path: api.get(path).json(), job_id, total, every=100, shadow_every=400, cut=cut
+    )

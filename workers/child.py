@@ -57,6 +57,7 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
                 resume_step=payload.get("resume_step"),
                 attempt=payload.get("attempt") or 1,
                 max_parameters=payload.get("max_parameters"),
+                precision_decision=payload.get("precision_decision"),
                 code_dir=Path(payload["code_dir"]) if payload.get("code_dir") else None,
             )
         )

@@ -31,6 +31,8 @@ class RunContext:
     attempt: int = 1
     max_parameters: int | None = None  # the server's limit, for models sized only here
     code_dir: Path | None = None  # the code bundle's tree, read-only (code jobs)
+    # Policy "auto": the choice an earlier attempt made (and the job recorded), if any.
+    precision_decision: dict[str, Any] | None = None
 
 
 SCRATCH_VOLUME = "the worker's scratch volume (HALFWAY_SCRATCH_DIR)"

@@ -216,6 +216,8 @@ class LocalHandle:
             "flush_seconds": payload.get("flush_seconds", 0.5),
             "resume_step": staged.resume_step,
             "max_parameters": payload.get("max_parameters"),
+            # An earlier attempt's choice for policy "auto": the same model is built again.
+            "precision_decision": payload.get("precision_decision"),
             "job_dir": str(sandbox.JOB if isolated else staged.scratch),
             "data_dir": str(sandbox.DATA if isolated else staged.data),
             "code_dir": None if code_dir is None else str(sandbox.CODE if isolated else code_dir),

@@ -21,6 +21,7 @@ import tensorflow as tf
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from workers.gradients import GradientMeter, float32_compute
 from workers.scaler import HalfwayLossScaleOptimizer
 
 LOSS, SCALE, FINITE = 0, 1, 2
@@ -183,6 +184,7 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         self.inner = inner
         self.recorder = recorder
         self.forensics: OverflowForensics | None = None
+        self.meter: GradientMeter | None = None
         self._fault_steps = tf.constant(sorted(fault_steps), tf.int64) if fault_steps else None
         self._fault_variables = list(fault_variables or [])
 
@@ -193,6 +195,13 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         optimizer = self.optimizer
         scaler = optimizer if isinstance(optimizer, HalfwayLossScaleOptimizer) else None
+        meter = self.meter
+        shadowed = meter is not None and meter.shadows
+        # The shadow replays this step's forward pass: it needs the state (batch-norm
+        # statistics, dropout seeds) as it was before the step's own pass moves it on.
+        state = (
+            [tf.identity(v.value) for v in self.inner.non_trainable_variables] if shadowed else []
+        )
         with tf.GradientTape() as tape:
             y_pred = self.inner(x, training=True)
             loss = self._compute_loss(
@@ -216,6 +225,10 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
             for g in grads
         ]
         local = tf.reduce_all(tf.stack(per_variable))
+        if meter is not None and writes_here():
+            reference = (lambda: self._shadow(x, y, sample_weight, state)) if shadowed else None
+            # Before the update: the shadow reads the weights this step's gradients are of.
+            meter.measure(self.recorder.count, scale, grads, reference)
         if scaler is not None:
             finite = scaler.apply_and_check(grads, weights, finite=local)
         else:
@@ -227,6 +240,26 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
             self.forensics.capture(step, finite, per_variable, global_loss, scale)
         self.recorder.record(global_loss, scale, finite)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _shadow(self, x: Any, y: Any, sample_weight: Any, state: list[Any]) -> list[Any]:
+        """The float32 shadow's gradients, unscaled, in ``trainable_variables``' order: the
+        same batch through the same weights and state, computed in float32, written nowhere."""
+        inner = self.inner
+        values = [tf.identity(v.value) for v in inner.trainable_variables]
+        with tf.GradientTape() as tape:
+            tape.watch(values)
+            with float32_compute(inner):
+                y_pred, _, extra = inner.stateless_call(
+                    values, state, x, training=True, return_losses=True
+                )
+            # A multi-output loss updates per-output trackers: keep those writes out too.
+            with keras.StatelessScope():
+                loss = self._compile_loss(y, tf.nest.map_structure(_f32, y_pred), sample_weight)
+                for term in extra:
+                    loss = loss + self._aggregate_additional_loss(_f32(term))
+        grads = tape.gradient(loss, values)
+        index = {id(v): i for i, v in enumerate(inner.trainable_variables)}
+        return [grads[index[id(v)]] if id(v) in index else None for v in self.trainable_variables]
 
     def _inject_nonfinite(self, grads: list[Any]) -> list[Any]:
         """Rehearsal: at the listed global steps, make the gradients non-finite (all of them,
@@ -256,3 +289,7 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         if ctx is None or ctx.num_replicas_in_sync == 1:
             return loss
         return ctx.all_reduce(tf.distribute.ReduceOp.SUM, loss)
+
+
+def _f32(t: Any) -> Any:
+    return tf.cast(t, tf.float32) if t.dtype.is_floating else t

@@ -13,9 +13,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from workers.alarms import GradientAlarms
 from workers.checkpointer import Checkpointer, Progress
 from workers.context import RunContext, disk_errors_explained
 from workers.guards import Guards
+from workers.protocol import Sample
 from workers.recording import Drained, StepRecorder
 
 TARGET_WINDOW = 50
@@ -66,6 +68,8 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
         # Wall clock (seconds since the epoch), not perf_counter: it carries across attempts.
         self.first_started: float | None = None
         self.tensorboard: Any = None
+        self.samples: list[Sample] = []
+        self.alarms = GradientAlarms(ctx.spec)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self.epoch = epoch
@@ -89,6 +93,7 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
         if forensics is not None:
             for report in forensics.drain():
                 self.ctx.emit({"type": "forensics", "report": report})
+        self._gradients()
         if self.failure is None:
             self.failure = self.guards.check(d.first, d)
         if self.failure is not None or self.ctx.stop.is_set():
@@ -124,6 +129,20 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
             )
         )
         return d
+
+    def _gradients(self) -> None:
+        """The meter's samples since the last execution, read for alarms and sent with the
+        next flush (so a checkpoint's message follows the samples it covers)."""
+        meter = getattr(self.model, "meter", None)
+        if meter is None:
+            return
+        for sample in meter.drain():
+            self.samples.append(sample)
+            warnings, failure = self.alarms.check(sample)
+            for message in warnings:
+                self.ctx.emit({"type": "alarm", "message": message})
+            if failure is not None and self.failure is None:
+                self.failure = failure
 
     def _faults(self, d: Drained) -> None:
         last = d.first + len(d) - 1
@@ -162,6 +181,9 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
         if self.guards.warning != self.sent_warning:
             self.sent_warning = self.guards.warning
             self.ctx.emit({"type": "warning", "message": self.guards.warning})
+        if self.samples:
+            self.ctx.emit({"type": "gradients", "samples": self.samples})
+            self.samples = []
         if self.pending and self.tensorboard is not None:
             self._write_tensorboard()
         if self.pending:

@@ -4,6 +4,7 @@ TensorFlow (through ``workers.recording``, ``workers.scaler``, ``workers.builder
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from workers import autoprecision
 from workers import data as data_mod
 from workers.builders import build_model, build_optimizer, precision_report
 from workers.checkpointer import Checkpointer
@@ -23,6 +25,7 @@ from workers.devices import (
     make_strategy,
 )
 from workers.feed import EpochFeed
+from workers.gradients import GradientMeter
 from workers.guards import Guards
 from workers.losses import build_loss, spec_metrics
 from workers.protocol import JobError
@@ -113,6 +116,15 @@ def compile_trainer(
     # Outside the strategy, like the recorder: host-read variables the first replica writes.
     captures = int(spec.get("forensics", {}).get("captures", 1))
     trainer.forensics = OverflowForensics(trainer.trainable_variables, captures)
+    # A spec stored before gradient samples existed has no section: no meter.
+    sampling = spec.get("gradients") or {}
+    if sampling.get("every") or sampling.get("shadow_every"):
+        trainer.meter = GradientMeter(
+            trainer.trainable_variables,
+            int(sampling["every"]),
+            int(sampling["shadow_every"]),
+            steps_per_execution,
+        )
     return Built(model, optimizer, scaler, recorder, trainer)
 
 
@@ -174,13 +186,32 @@ def train(ctx: RunContext) -> str:
     if rewrite:
         device["graph_rewrite"] = rewrite
     strategy = make_strategy()
-    if spec.get("code"):
-        from workers.usercode import plan_code_job
 
-        plan = plan_code_job(ctx, device, strategy, graph_rewrite=rewrite is not None)
-    else:
-        plan = _plan_arrays(ctx, device, strategy, graph_rewrite=rewrite is not None)
-    return run_plan(ctx, plan, device)
+    def plan_for(run: RunContext) -> Plan:
+        if spec.get("code"):
+            from workers.usercode import plan_code_job
+
+            return plan_code_job(run, device, strategy, graph_rewrite=rewrite is not None)
+        return _plan_arrays(run, device, strategy, graph_rewrite=rewrite is not None)
+
+    if spec["precision"]["policy"] == "auto":
+        ctx = _decided(ctx, plan_for)
+        spec = ctx.spec
+    return run_plan(ctx, plan_for(ctx), device)
+
+
+def _decided(ctx: RunContext, plan_for: Callable[[RunContext], Plan]) -> RunContext:
+    """Policy 'auto': probe and choose (or take the choice an earlier attempt recorded, so a
+    resumed attempt builds the same model), then train as if the spec had named it."""
+    decision: Any = ctx.precision_decision
+    if decision is None:
+        decision = autoprecision.choose(ctx, plan_for)
+        ctx.emit({"type": "decision", "decision": decision})
+        print(f"halfway: precision auto chose {decision['policy']}: {decision['reason']}")
+    # The run starts from the seed as a job naming this policy would, probes or none.
+    keras.utils.set_random_seed(ctx.spec["training"]["seed"])
+    spec = autoprecision.with_policy(ctx.spec, decision["policy"])
+    return dataclasses.replace(ctx, spec=spec)
 
 
 def _plan_arrays(
