@@ -1,7 +1,7 @@
 """Halfway's Python client: ``from service.client import Client``.
 
-It needs only httpx (and pandas for the DataFrames of ``Client.history`` and ``Client.sweep``,
-matplotlib to plot them: ``pip install 'halfway[client]'``);
+It needs only httpx (and pandas for the DataFrames of ``Client.history``, ``Client.gradients``
+and ``Client.sweep``, matplotlib to plot them: ``pip install 'halfway[client]'``);
 it never imports the server, SQLAlchemy or TensorFlow."""
 
 from service.client.api import Client

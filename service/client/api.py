@@ -7,6 +7,7 @@ built on it, and notebooks use it directly::
     job = hw.submit(spec)
     hw.wait(job["id"], on_progress=lambda j: print(j["progress"]["step"]))
     df = hw.history(job["id"])         # every step: step, epoch, loss, loss_scale, finite
+    grads = hw.gradients(job["id"])    # each sampled step's gradient figures, per variable
 
 Every failure is a typed exception from ``service.client.errors`` (``Unauthorized``,
 ``Forbidden``, ``NotFound``, ``Conflict``, ``Invalid``, ``Unreachable``, ...)."""
@@ -31,7 +32,7 @@ from service.client.errors import (
     Unreachable,
     UsageError,
 )
-from service.client.frames import require_pandas, sweep_frame
+from service.client.frames import gradients_frame, require_pandas, sweep_frame
 from service.client.responses import api_error, response_json, unreachable
 from service.vocabulary import FINISHED_STATUSES
 
@@ -376,6 +377,27 @@ class Client:
         """The history as the server's CSV bytes, streamed."""
         with self.stream(f"/v1/jobs/{job_id}/history.csv") as response:
             yield response.iter_bytes()
+
+    # ----------------------------------------------------------------------------------------
+    # Gradient samples
+
+    def gradient_page(self, job_id: int, *, after_step: int = -1, limit: int = 200) -> Job:
+        """Samples after ``after_step``, each with its ``variables``: ``{"job_id",
+        "history_version", "samples": [...], "next_after_step"}`` (None: no more yet)."""
+        page: dict[str, Any] = self._get_json(
+            f"/v1/jobs/{job_id}/gradients", {"after_step": after_step, "limit": limit}
+        )
+        return page
+
+    def gradients(self, job_id: int) -> pandas.DataFrame:
+        """Every gradient sample of the job as a long DataFrame: a row per (step, variable),
+        the whole model's with variable "(model)"; columns step, variable, loss_scale, shadow,
+        finite, zero_share, log2_max, log2_min_nonzero, headroom, subnormal_share,
+        underflow_share, lost_share, relative_error (the last three NaN where the float32
+        shadow did not run). Read as one Parquet file. Needs pandas (``halfway[client]``)."""
+        require_pandas("Client.gradients()")
+        with self.stream(f"/v1/jobs/{job_id}/gradients", {"format": "parquet"}) as response:
+            return gradients_frame(response.read())
 
     # ----------------------------------------------------------------------------------------
     # Logs, artifacts, sweeps

@@ -10,6 +10,7 @@ says)::
     halfway jobs [--status S] [--owner O] [--limit N] [--cursor C]
     halfway show ID [--json]
     halfway history ID [--after-step N] [--limit N] | --csv | --points P | --arrow F | --parquet F
+    halfway gradients ID [--after-step N] [--limit N] [--variables] [--step N]
     halfway cancel ID
     halfway logs ID [--follow]
     halfway tensorboard ID [--artifact-dir DIR]
@@ -53,6 +54,8 @@ from service.client import render, tables
 from service.client.api import Client, with_bundle
 from service.client.code_commands import code_app, push
 from service.client.errors import ExitCode, UsageError
+from service.client.gradient_commands import gradients
+from service.client.gradient_tables import decision_table
 from service.client.options import JobId, TokenOption, UrlOption, handles_errors
 from service.client.render import Ui
 from service.client.specfile import load_spec
@@ -171,13 +174,17 @@ def show(
     url: UrlOption = None,
     token: TokenOption = None,
 ) -> None:
-    """Show a job: status, errors, warnings, notes, summary, progress and its spec."""
+    """Show a job: status, errors, warnings, notes, summary, progress, its latest gradient
+    figures, the precision it chose (with its probes) and its spec."""
     with connect(url, token) as client:
         job = client.job(job_id)
     if as_json:
         typer.echo(json.dumps(job, indent=2))
         return
-    Ui.create().out.print(tables.job_details(job))
+    out = Ui.create().out
+    out.print(tables.job_details(job))
+    if job.get("precision_decision"):
+        out.print(decision_table(job["precision_decision"]))
 
 
 @handles_errors
@@ -384,6 +391,7 @@ COMMANDS: tuple[tuple[str, Callable[..., None]], ...] = (
     ("jobs", jobs),
     ("show", show),
     ("history", history),
+    ("gradients", gradients),
     ("cancel", cancel),
     ("logs", logs),
     ("tensorboard", tensorboard),

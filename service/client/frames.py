@@ -1,11 +1,14 @@
-"""The Python client's DataFrames that are built from JSON (a sweep's comparison), and the
-one check that pandas is there (``halfway[client]``). pandas is imported only when a frame is
-asked for: the CLI never needs it."""
+"""The Python client's DataFrames that are built from the server's answers (a sweep's
+comparison from JSON, a job's gradient samples from Parquet), and the one check that pandas is
+there (``halfway[client]``). pandas is imported only when a frame is asked for: the CLI never
+needs it."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+from service.client.errors import ServerError
 
 if TYPE_CHECKING:
     import pandas
@@ -14,6 +17,21 @@ if TYPE_CHECKING:
 # A sweep's columns that are not numbers, and the numbers that are counts.
 SWEEP_TEXT = ("name", "status", "error", "policy", "loss_scale_mode")
 SWEEP_COUNTS = ("job_id", "overflow_count", "skipped_steps")
+
+# A gradient sample's figures (the API's names), each a float or NaN where undefined.
+GRADIENT_FIGURES = (
+    "zero_share",
+    "log2_max",
+    "log2_min_nonzero",
+    "headroom",
+    "subnormal_share",
+    "underflow_share",
+    "lost_share",
+    "relative_error",
+)
+GRADIENT_COLUMNS = ("step", "variable", "loss_scale", "shadow", "finite", *GRADIENT_FIGURES)
+# The ``variable`` of the row that holds the whole model's figures.
+MODEL_ROW = "(model)"
 
 
 def sweep_frame(table: Mapping[str, Any]) -> pandas.DataFrame:
@@ -48,6 +66,33 @@ def sweep_frame(table: Mapping[str, Any]) -> pandas.DataFrame:
         done=bool(table["done"]),
     )
     return frame
+
+
+def gradients_frame(parquet: bytes) -> pandas.DataFrame:
+    """The server's long table of gradient samples (Parquet) as a DataFrame: one row per
+    sampled step and variable, the whole model's as ``variable == "(model)"``; columns
+    ``GRADIENT_COLUMNS``, step as int64, the flags as bool, the scale and every figure as
+    float64 (NaN where undefined, as on steps without the float32 shadow)."""
+    require_pandas("Client.gradients()")
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    frame = pq.read_table(pa.BufferReader(parquet)).to_pandas()
+    missing = [column for column in GRADIENT_COLUMNS if column not in frame.columns]
+    if missing:
+        raise ServerError(f"the server's gradient table lacks the columns {', '.join(missing)}")
+    typed: pd.DataFrame = frame[list(GRADIENT_COLUMNS)].astype(
+        {
+            "step": "int64",
+            "variable": "object",
+            "loss_scale": "float64",
+            "shadow": "bool",
+            "finite": "bool",
+            **dict.fromkeys(GRADIENT_FIGURES, "float64"),
+        }
+    )
+    return typed
 
 
 def require_pandas(method: str) -> None:

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from service.client.api import Job
+from service.client.gradient_tables import gradient_rows
 from service.client.render import (
     fmt_duration,
     fmt_epoch,
@@ -241,6 +242,8 @@ def job_details(job: Job) -> Table:
         grid.add_row("checkpoint", f"step {summary['checkpoint_step']}")
     if summary.get("guard_warning"):
         grid.add_row("guard", Text(summary["guard_warning"], style="yellow"))
+    for label, line in gradient_rows(job):
+        grid.add_row(label, line)
     for label, value in metric_lines(summary.get("metrics") or {}):
         grid.add_row(label, value)
     for warning in job.get("warnings", []):

@@ -675,6 +675,7 @@
     selection.hist = id === null ? null : newHistory(id);
     selection.layout = null;
     if (selection.pair) selection.pair.destroy();
+    if (gradients) gradients.select(id);
     $("#job").hidden = id === null;
     for (const [rowId, row] of jobRows) row.classList.toggle("selected", rowId === id);
     kick();
@@ -789,6 +790,7 @@
   function onJobZoom(view) {
     const hist = selection.hist;
     $("#reset-zoom").hidden = view === null;
+    if (gradients) gradients.zoom(view);
     if (!hist) return;
     if (hist.mode === "raw") {
       drawRaw(hist); // every row is here already: zoom in the browser
@@ -1166,6 +1168,7 @@
     renderSummary(job);
     renderProblems(job);
     renderMetrics(job.summary.metrics || {});
+    if (gradients) gradients.job(job);
   }
 
   function renderSummary(job) {
@@ -1317,6 +1320,11 @@
   }
 
   // ---- Start -----------------------------------------------------------------------------------
+
+  // The selected job's gradient band, per-layer table and precision decision (gradients.js,
+  // loaded before this file): told of each selection, each change of the job and each zoom.
+  const gradients = window.HalfwayGradients ? window.HalfwayGradients({ api, el, setText,
+    fmtInt, fmtNumber, fmtScale, chartWidth, HttpError }) : null;
 
   function main() {
     takeTokenFromUrl();
