@@ -407,6 +407,16 @@ class VariantResult(BaseModel):
     final_loss_scale: float | None
     min_loss_scale: float | None
     peak_memory_bytes: float | None = Field(description="Where the device reports it (GPUs).")
+    underflow_share: float | None = Field(
+        default=None,
+        description="At the variant's latest float32-shadow sample: the share of gradient "
+        "elements float16 flushes at its loss scale (what it would flush, for a variant that "
+        "does not compute in float16).",
+    )
+    lost_share: float | None = Field(
+        default=None,
+        description="At the same sample: the share of gradient elements this variant lost.",
+    )
 
 
 class SweepOut(BaseModel):

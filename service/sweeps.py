@@ -85,6 +85,11 @@ def trained_as(job: Job) -> tuple[str, str]:
     return policy, mode
 
 
+def _shadow_figures(job: Job) -> dict[str, float | None]:
+    shadow = (job.gradients_summary or {}).get("latest_shadow") or {}
+    return {key: shadow.get(key) for key in ("underflow_share", "lost_share")}
+
+
 def compare(session: Session, sweep_id: int) -> SweepOut:
     sweep = session.get(Sweep, sweep_id)
     if sweep is None:
@@ -128,6 +133,7 @@ def compare(session: Session, sweep_id: int) -> SweepOut:
                 final_loss_scale=j.loss_scale,
                 min_loss_scale=j.min_loss_scale,
                 peak_memory_bytes=timing.get("peak_memory_bytes"),
+                **_shadow_figures(j),
             )
         )
     return SweepOut(

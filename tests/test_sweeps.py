@@ -147,3 +147,38 @@ def test_comparison_reports_what_each_job_measured(
 
 def test_unknown_sweep_is_404(api: Api) -> None:
     assert api.get("/v1/sweeps/9999").status_code == 404
+
+
+def test_an_auto_variant_is_compared_by_what_it_chose_with_its_shadow_figures(
+    api: Api, db: Database, settings: Settings
+) -> None:
+    sweep = api.post(
+        "/v1/sweeps",
+        json={
+            "base": BASE,
+            "variants": [
+                {"name": "f32", "precision": {"policy": "float32"}},
+                {"name": "auto", "precision": {"policy": "auto"}},
+            ],
+        },
+    ).json()
+    with db.write() as s:
+        for v in sweep["variants"]:
+            job = s.get(Job, v["job_id"])
+            assert job is not None
+            fake = {"steps": 12, "batch": 4, "gradients_every": 4, "shadow_every": 8}
+            if v["policy"] == "auto":
+                fake["decision"] = True
+            job.spec = {**job.spec, "fake": fake}
+    sup = Supervisor(db, settings, trainer=fakes.trainer, worker_id="w")
+    while sup.run_once():
+        pass
+    f32, auto = api.get(f"/v1/sweeps/{sweep['id']}").json()["variants"]
+    chosen = api.get(f"/v1/jobs/{auto['job_id']}").json()
+    assert auto["policy"] == chosen["precision_decision"]["policy"] == "mixed_float16"
+    assert auto["loss_scale_mode"] == "dynamic"  # 'auto' resolved for float16 compute
+    shadow = chosen["gradients"]["latest_shadow"]
+    assert shadow["step"] == 8
+    assert auto["underflow_share"] == shadow["underflow_share"] is not None
+    assert auto["lost_share"] == shadow["lost_share"] is not None
+    assert f32["policy"] == "float32" and f32["loss_scale_mode"] == "none"

@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from service.client.api import Job
-from service.client.gradient_tables import gradient_rows
+from service.client.gradient_tables import fmt_share, gradient_rows
 from service.client.render import (
     fmt_duration,
     fmt_epoch,
@@ -315,7 +315,15 @@ def buckets_table(page: dict[str, Any]) -> Table:
 
 
 # Dropped first, in this order, when the table does not fit the terminal.
-SWEEP_SECONDARY = ("peak mem", "scale (final/min)", "val", "step ms", "skipped")
+SWEEP_SECONDARY = (
+    "peak mem",
+    "underflow",
+    "lost",
+    "scale (final/min)",
+    "val",
+    "step ms",
+    "skipped",
+)
 
 
 def sweep_table(sweep: Mapping[str, Any], width: int | None = None) -> Table:
@@ -387,6 +395,10 @@ def _sweep_cells(sweep: Mapping[str, Any], v: Mapping[str, Any]) -> dict[str, Te
         "val": Text(val or "-"),
         "overflows": str(v["overflow_count"]),
         "skipped": str(v["skipped_steps"]),
+        # At the latest float32-shadow sample: what float16 flushes at the scale, and what
+        # the variant itself lost (see `halfway gradients`).
+        "underflow": fmt_share(v.get("underflow_share")),
+        "lost": fmt_share(v.get("lost_share")),
         "scale (final/min)": scale,
         "peak mem": f"{memory / 2**20:.0f} MiB" if memory is not None else "-",
     }
