@@ -20,23 +20,13 @@ from sqlalchemy.orm import Session
 from service import columnar
 from service.db import Database, upsert
 from service.models import GradientSample, Job
+from service.vocabulary import GRADIENT_FIGURES, GRADIENT_MODEL_ROW
 
-# The model-level (and per-variable) figures, in the order every answer lists them.
-FIGURES = (
-    "zero_share",
-    "log2_max",
-    "log2_min_nonzero",
-    "headroom",
-    "subnormal_share",
-    "underflow_share",
-    "lost_share",
-    "relative_error",
-)
+FIGURES = GRADIENT_FIGURES
 # What a sample has besides the figures and its variables.
 HEAD = ("step", "loss_scale", "shadow", "finite")
 MODEL_COLUMNS = (*HEAD, *FIGURES)
-# The name the long table (Arrow, Parquet) gives the whole model's row.
-MODEL_ROW = "(model)"
+MODEL_ROW = GRADIENT_MODEL_ROW
 # A sample comes from the training child, which runs the user's code: whatever it sends is
 # kept within these bounds rather than trusted.
 MAX_VARIABLES = 4096

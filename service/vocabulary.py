@@ -12,6 +12,20 @@ JOB_STATUSES: Final = ("queued", "running", "succeeded", "failed", "cancelled")
 FINISHED_STATUSES: Final = ("succeeded", "failed", "cancelled")
 # Why the loss scale changed at a step (GET /v1/jobs/{id}/loss-scale/events).
 SCALE_EVENT_REASONS: Final = ("overflow", "growth")
+# A gradient sample's figures (GET /v1/jobs/{id}/gradients), in the order every answer lists
+# them; each is a float, or null where it is undefined.
+GRADIENT_FIGURES: Final = (
+    "zero_share",
+    "log2_max",
+    "log2_min_nonzero",
+    "headroom",
+    "subnormal_share",
+    "underflow_share",
+    "lost_share",
+    "relative_error",
+)
+# The ``variable`` of the long table's row (Arrow, Parquet) that holds the whole model's.
+GRADIENT_MODEL_ROW: Final = "(model)"
 
 
 def vocabulary() -> dict[str, list[str]]:
@@ -19,4 +33,5 @@ def vocabulary() -> dict[str, list[str]]:
         "job_statuses": list(JOB_STATUSES),
         "finished_statuses": list(FINISHED_STATUSES),
         "scale_event_reasons": list(SCALE_EVENT_REASONS),
+        "gradient_figures": list(GRADIENT_FIGURES),
     }

@@ -27,17 +27,6 @@ ZEROS, SIZE, MAX, MIN_NONZERO, SUBNORMAL, FINITE = 0, 1, 2, 3, 4, 5
 REF_NONZERO, UNDERFLOW, LOST, ERR_SQ, REF_SQ = 6, 7, 8, 9, 10
 WIDTH = 11
 
-FIGURES = (
-    "zero_share",
-    "log2_max",
-    "log2_min_nonzero",
-    "headroom",
-    "subnormal_share",
-    "underflow_share",
-    "lost_share",
-    "relative_error",
-)
-
 
 def _share(part: float, whole: float) -> float | None:
     return float(part / whole) if whole > 0 else None

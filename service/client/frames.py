@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from service.client.errors import ServerError
+from service.vocabulary import GRADIENT_FIGURES, GRADIENT_MODEL_ROW
 
 if TYPE_CHECKING:
     import pandas
@@ -18,20 +19,8 @@ if TYPE_CHECKING:
 SWEEP_TEXT = ("name", "status", "error", "policy", "loss_scale_mode")
 SWEEP_COUNTS = ("job_id", "overflow_count", "skipped_steps")
 
-# A gradient sample's figures (the API's names), each a float or NaN where undefined.
-GRADIENT_FIGURES = (
-    "zero_share",
-    "log2_max",
-    "log2_min_nonzero",
-    "headroom",
-    "subnormal_share",
-    "underflow_share",
-    "lost_share",
-    "relative_error",
-)
 GRADIENT_COLUMNS = ("step", "variable", "loss_scale", "shadow", "finite", *GRADIENT_FIGURES)
-# The ``variable`` of the row that holds the whole model's figures.
-MODEL_ROW = "(model)"
+MODEL_ROW = GRADIENT_MODEL_ROW
 
 
 def sweep_frame(table: Mapping[str, Any]) -> pandas.DataFrame:

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from service.client.render import fmt_number
+from service.vocabulary import GRADIENT_MODEL_ROW
 
 Sample = Mapping[str, Any]
 
@@ -218,7 +219,7 @@ def variables_table(job_id: int, sample: Sample) -> Table:
     for name, _, _ in columns:
         table.add_column(name, justify="right")
     table.add_column("finite", justify="left")
-    whole = {**sample, "name": "(model)"}
+    whole = {**sample, "name": GRADIENT_MODEL_ROW}
     for row in [whole, *(sample.get("variables") or [])]:
         overflow = row.get("finite") is False
         table.add_row(
