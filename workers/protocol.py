@@ -64,11 +64,11 @@ class Saved(TypedDict):
     names: list[str]
 
 
-class VariableSample(TypedDict):
-    """One trainable variable's figures at a sampled step (the last three are None on a
-    step without the float32 shadow)."""
+class Figures(TypedDict):
+    """The gradient figures of a sampled step, for the whole model or one variable
+    (``workers.gradstats``). A figure is None where it is undefined, never inf or NaN; the
+    last three are None on a step without the float32 shadow."""
 
-    name: str
     finite: bool
     zero_share: float | None
     log2_max: float | None
@@ -80,22 +80,16 @@ class VariableSample(TypedDict):
     relative_error: float | None
 
 
-class Sample(TypedDict):
-    """The gradient statistics of one sampled step: the whole model's, then each
-    variable's. A figure is None where it is undefined; never inf or NaN."""
+class VariableSample(Figures):
+    name: str
+
+
+class Sample(Figures):
+    """One sampled step: the whole model's figures, then each variable's."""
 
     step: int
     loss_scale: float
     shadow: bool
-    finite: bool
-    zero_share: float | None
-    log2_max: float | None
-    log2_min_nonzero: float | None
-    headroom: float | None
-    subnormal_share: float | None
-    underflow_share: float | None
-    lost_share: float | None
-    relative_error: float | None
     variables: list[VariableSample]
 
 
