@@ -98,3 +98,39 @@ def test_sweep(live: Live, worker: Any) -> None:
             line.split("│")[1].strip() == policy for line in out.splitlines()[3:] if "│" in line
         ), out
     assert "vs float32" in out and "1.00x" in out
+
+
+def test_underflow(live: Live, worker: Any) -> None:
+    """At a fixed scale of 1 the deep sigmoid net loses gradient to float16, and says so."""
+    job = submit_and_watch(live, "underflow.yaml")
+    page = live.api("GET", f"/v1/jobs/{job['id']}/gradients?limit=1000")
+    samples = page["samples"]
+    assert [s["step"] for s in samples] == list(range(0, 128, 16))
+    assert all(s["shadow"] and s["loss_scale"] == 1.0 for s in samples)
+    assert min(s["lost_share"] for s in samples) > 0.05
+    first_layer = next(v for v in samples[0]["variables"] if v["name"].endswith("dense_0/kernel"))
+    assert first_layer["lost_share"] > samples[0]["lost_share"]  # the far end loses most
+    (alarm,) = [w for w in job["warnings"] if w.startswith("gradient underflow")]
+    assert "dense_0/kernel" in alarm
+    shown = halfway(live, "gradients", str(job["id"]), "--variables")
+    assert shown.returncode == 0 and "dense_0/kernel" in shown.stdout
+
+
+def test_auto(live: Live, worker: Any) -> None:
+    """auto chooses by the documented rule from the probes it recorded, on this CPU."""
+    from workers.autoprecision import decide
+
+    job = submit_and_watch(live, "auto.yaml")
+    decision = job["precision_decision"]
+    probes = decision["probes"]
+    assert [p["policy"] for p in probes] == ["float32", "mixed_bfloat16", "mixed_float16"]
+    assert all(p["steps"] >= 25 and p["median_step_seconds"] > 0 for p in probes)
+    cfg = job["spec"]["precision"]["probe"]
+    again = decide([{**p, "eligible": False, "why": ""} for p in probes], cfg)
+    assert again["policy"] == decision["policy"] and again["reason"] == decision["reason"]
+    assert job["spec"]["precision"]["policy"] == "auto"
+    dense = next(r for r in job["precision_report"] if r["layer"] == "dense_0")
+    assert dense["policy"] == decision["policy"]
+    assert len(history(live, job["id"])) == job["progress"]["total_steps"] == 128
+    shown = halfway(live, "show", str(job["id"]))
+    assert decision["policy"] in shown.stdout and "mixed_bfloat16" in shown.stdout
