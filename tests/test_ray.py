@@ -422,14 +422,16 @@ def test_a_job_ray_cannot_place_yet_waits_past_the_startup_timeout_and_runs_once
     supervisor keeps the job (its lease renewed: no other worker takes it) however long
     that lasts, past the startup timeout; the job is neither failed nor retried, and it runs
     as soon as a CPU is free."""
-    settings = ray_settings.model_copy(update={"startup_timeout_seconds": 2, "lease_seconds": 3})
+    # A lease of 5 s renewed every 5/3 s: a 3 s renewal period would lapse on a CI machine
+    # whose other test process stalls this one for 2 s, which is load, not the behaviour.
+    settings = ray_settings.model_copy(update={"startup_timeout_seconds": 2, "lease_seconds": 5})
     holders = fill_the_cluster(ray_cluster)
     try:
         job_id = queue_fake(db, {"fake": {"steps": 10}})
         with Running(db, settings, ray_cluster, trainer=fakes.trainer):
             wait_until(lambda: job_of(ray_api, job_id)["status"] == "running", 30, "the claim")
-            # Twice the lease and four times the startup timeout, looked at all along.
-            waited_until = time.monotonic() + 4 * settings.startup_timeout_seconds
+            # Twice the lease and five times the startup timeout, looked at all along.
+            waited_until = time.monotonic() + 2 * settings.lease_seconds
             while time.monotonic() < waited_until:
                 # Held (its lease live on the database's clock), not failed, not retried.
                 holds = lease_holds(db, job_id)

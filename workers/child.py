@@ -105,9 +105,10 @@ def _redirect_output(path: Path) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
 
 
-# What TensorFlow prints as it looks for a GPU on a host (or in a job) without one: absl's note
-# that logging is not set up yet, then "Could not find cuda drivers" (once per library that
-# looks) and "failed call to cuInit". Only these lines, whole, are dropped.
+# What TensorFlow prints as it loads on a host (or in a job) without a GPU: absl's note that
+# logging is not set up yet (before the probe's lines on one machine, before oneDNN's notice on
+# another, where TensorFlow probes no GPU library at all), "Could not find cuda drivers" (once
+# per library that looks) and "failed call to cuInit". Only these lines, whole, are dropped.
 _ABSL_NOTE = (
     b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
 )
@@ -165,23 +166,14 @@ def _copy_without_probe(source: int, log: int) -> None:
                 data = data[os.write(log, data) :]
 
     pending = b""
-    held: bytes | None = None  # absl's note, until the next line shows whether it is the probe's
     while chunk := os.read(source, 65536):
         *lines, pending = (pending + chunk).split(b"\n")
-        out: list[bytes] = []
-        for line in lines:
-            bare = line.rstrip(b"\r")
-            if _GPU_PROBE.fullmatch(bare):
-                held = None  # and absl's note before it, if any
-                continue
-            if held is not None:
-                out.append(held)
-                held = None
-            if bare == _ABSL_NOTE:
-                held = line
-            else:
-                out.append(line)
+        out = [
+            line
+            for line in lines
+            if not (_GPU_PROBE.fullmatch(bare := line.rstrip(b"\r")) or bare == _ABSL_NOTE)
+        ]
         if out:
             write(b"".join(part + b"\n" for part in out))
     os.close(source)
-    write((held + b"\n" if held is not None else b"") + pending)
+    write(pending)
