@@ -11,16 +11,16 @@ and disk writes on a shared machine only add noise). Six paths, in one process:
   off         gradients every=0, shadow_every=0: no meter in the step at all
   off'        the same again, a control: off' / off would be 1 on a quiet machine, so its
               spread is the noise floor of the ratios
-  defaults    the spec's defaults (every=50, shadow_every=500)
-  never due   every = shadow_every = 10**9: the meter traced (statistics and shadow
-              branches) but never taken: what it costs on every step (the tf.cond with its
-              predicates and untaken branches) and every execution (the drain's count read)
+  defaults    the spec's defaults (gradients.every and shadow_every)
+  never due   every = shadow_every = 10**9: a meter that no execution needs, so every
+              execution runs the plain step: what the meter costs when it samples nothing
+              (the host's choice of function per execution, the drain's count read)
   stats@1     every=1, shadow_every=0: a statistics sample on every step
   shadow@1    every=0, shadow_every=1: a shadow sample (statistics and the float32 shadow
               forward/backward) on every step
 
 With --samples 16000 an epoch is 125 steps and a round's --epochs 8 are 1000 steps, so each
-round of ``defaults`` holds exactly 20 samples, 2 of them shadows, as a job at the defaults.
+round of ``defaults`` holds the samples of 1000 steps of a job at the defaults.
 
 Everything is traced and warmed up before timing. The paths then run interleaved: in each
 round off, off', defaults and never due train the round's epochs taking turns epoch by epoch,

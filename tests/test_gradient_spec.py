@@ -12,8 +12,8 @@ from service.policies import POLICIES, loss_scale_mode_for
 from tests.conftest import Api
 
 GRADIENT_DEFAULTS = {
-    "every": 50,
-    "shadow_every": 500,
+    "every": 250,
+    "shadow_every": 1000,
     "alarm_share": 0.05,
     "alarm_samples": 3,
     "guard": False,

@@ -90,7 +90,8 @@ class GradientMeter:
         self.shadow_every = shadow_every
         self.slots = steps_per_execution // max(min(every or 1, shadow_every or 1), 1) + 2
         width = max(len(variables), 1)
-        self.enabled = tf.Variable(True, trainable=False, name="gradient_meter_on")
+        # Host side: False keeps the meter out of every execution (the auto probe's timing).
+        self.active = True
         self.count = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="gradients_n")
         self.steps = tf.Variable(tf.zeros((self.slots,), tf.int64), trainable=False)
         self.meta = tf.Variable(tf.zeros((self.slots, 2), F64), trainable=False)
@@ -104,7 +105,18 @@ class GradientMeter:
     def due(self, step: Any, every: int) -> Any:
         if every <= 0:
             return tf.constant(False)
-        return tf.logical_and(self.enabled, tf.equal(tf.math.floormod(step, every), 0))
+        return tf.equal(tf.math.floormod(step, every), 0)
+
+    def due_within(self, first: int, steps: int) -> bool:
+        """Host side: whether any of the global steps ``first .. first + steps - 1`` (one
+        execution) takes a sample. Only such executions run the metered step: the meter's
+        branches cost a few percent of every step they are in, taken or not."""
+        if not self.active:
+            return False
+        for period in (self.every, self.shadow_every):
+            if period > 0 and -(-first // period) * period < first + steps:
+                return True
+        return False
 
     def measure(
         self,

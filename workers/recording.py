@@ -185,6 +185,9 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         self.recorder = recorder
         self.forensics: OverflowForensics | None = None
         self.meter: GradientMeter | None = None
+        # Which train function is being traced: the metered one or the plain one (see
+        # make_train_function). Read while tracing.
+        self._metered = True
         self._fault_steps = tf.constant(sorted(fault_steps), tf.int64) if fault_steps else None
         self._fault_variables = list(fault_variables or [])
 
@@ -195,7 +198,7 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         optimizer = self.optimizer
         scaler = optimizer if isinstance(optimizer, HalfwayLossScaleOptimizer) else None
-        meter = self.meter
+        meter = self.meter if self._metered else None
         shadowed = meter is not None and meter.shadows
         # The shadow replays this step's forward pass: it needs the state (batch-norm
         # statistics, dropout seeds) as it was before the step's own pass moves it on.
@@ -241,6 +244,33 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         self.recorder.record(global_loss, scale, finite)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    def make_train_function(self, force: bool = False) -> Any:
+        """With a gradient meter, two compiled train functions, chosen per execution on the
+        host: the metered step for an execution that holds a sampled step, the plain one
+        (no meter at all) for the others. Each is traced when first needed."""
+        current: Any = getattr(self, "train_function", None)  # Keras sets it untyped
+        if current is not None and not force:
+            return current
+        meter = self.meter
+        if meter is None:
+            self._metered = False
+            return super().make_train_function(force)
+        compiled: dict[bool, Any] = {}
+
+        def run(iterator: Any) -> Any:
+            first = int(self.recorder.count.numpy())
+            metered = meter.due_within(first, int(self.steps_per_execution))
+            # Set on every call: a function traces again for a new batch shape.
+            self._metered = metered
+            if metered not in compiled:
+                super(HalfwayTrainer, self).make_train_function(force=True)
+                compiled[metered] = getattr(self, "train_function")  # noqa: B009
+                self.train_function = run
+            return compiled[metered](iterator)
+
+        self.train_function = run
+        return run
+
     def _shadow(self, x: Any, y: Any, sample_weight: Any, state: list[Any]) -> list[Any]:
         """The float32 shadow's gradients, unscaled, in ``trainable_variables``' order: the
         same batch through the same weights and state, computed in float32, written nowhere."""
@@ -249,8 +279,10 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         with tf.GradientTape() as tape:
             tape.watch(values)
             with float32_compute(inner):
+                # As Layer.__call__ does: ``training`` only to a call() that takes it.
+                flags = {"training": True} if inner._call_has_training_arg else {}
                 y_pred, _, extra = inner.stateless_call(
-                    values, state, x, training=True, return_losses=True
+                    values, state, x, return_losses=True, **flags
                 )
             # A multi-output loss updates per-output trackers: keep those writes out too.
             with keras.StatelessScope():
