@@ -19,6 +19,7 @@ from service.client import Client, ExitCode, NotFound
 from service.client.frames import GRADIENT_COLUMNS
 from service.client.gradient_tables import fmt_headroom, fmt_log2, fmt_share
 from service.db import Database
+from service.schemas import GradientsSpec
 from service.settings import Settings
 from tests import fakes
 from tests.live import Live, halfway
@@ -305,10 +306,13 @@ def test_gradients_of_a_job_without_samples_says_so_and_how_often_it_samples(
     result = cli(live, "gradients", str(queued), "--variables")
     assert result.exit_code == 0, result.output
     assert f"Job {queued} has no gradient samples after step -1 (queued)." in result.stdout
-    assert "It samples every 50 steps" in result.stdout
-    off = live.submit({**TINY, "gradients": {"every": 0}})
+    assert f"It samples every {GradientsSpec().every} steps" in result.stdout
+    shadows_only = live.submit({**TINY, "gradients": {"every": 0, "shadow_every": 40}})
+    said = cli(live, "gradients", str(shadows_only)).stdout
+    assert "It samples only at its float32-shadow steps, every 40 steps" in said
+    off = live.submit({**TINY, "gradients": {"every": 0, "shadow_every": 0}})
     said = cli(live, "gradients", str(off)).stdout
-    assert "turns the meter off (gradients.every is 0)" in said
+    assert "turns the meter off (gradients.every and shadow_every are 0)" in said
 
 
 def test_gradients_after_a_resume_says_the_samples_from_the_cut_were_replaced(

@@ -28,9 +28,17 @@ def sample_at(client: Client, job_id: int, step: int) -> dict[str, Any] | None:
 
 def _none_yet(ui: Ui, job: Job, after: int) -> None:
     ui.out.print(f"Job {job['id']} has no gradient samples after step {after} ({job['status']}).")
-    every = (job.get("spec") or {}).get("gradients", {}).get("every")
-    if every == 0:
-        ui.out.print("[dim]Its spec turns the meter off (gradients.every is 0).[/]")
+    section = (job.get("spec") or {}).get("gradients", {})
+    every, shadow_every = section.get("every"), section.get("shadow_every")
+    if every == 0 and shadow_every == 0:
+        ui.out.print(
+            "[dim]Its spec turns the meter off (gradients.every and shadow_every are 0).[/]"
+        )
+    elif every == 0:
+        ui.out.print(
+            f"[dim]It samples only at its float32-shadow steps, every {shadow_every} steps, "
+            "from step 0.[/]"
+        )
     elif every:
         ui.out.print(f"[dim]It samples every {every} steps, from step 0.[/]")
 
