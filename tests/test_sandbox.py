@@ -289,3 +289,22 @@ def test_an_attempt_removes_what_earlier_attempts_of_its_job_left_in_scratch(
     files = JobFiles.for_attempt(storage, 5, 3, root)
     assert files.scratch == root / "jobs" / "5-3"
     assert sorted(p.name for p in (root / "jobs").iterdir()) == ["5-3", "55-1", "6-1"]
+
+
+def test_a_late_starting_earlier_attempt_leaves_the_newer_attempts_folder_alone(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Hosts that share a scratch disk (Ray nodes on one machine, two supervisors on one
+    host): attempt 2's start can come after attempt 3 took the job over (its lease ran out
+    while Ray placed it) and began writing. The stale attempt must not remove the live one's
+    folder: its child would find its checkpoint's folder gone mid-write."""
+    storage = open_storage(settings.storage_config())
+    root = tmp_path / "scratch"
+    live = JobFiles.for_attempt(storage, 5, 3, root)
+    (live.scratch / "checkpoint.npz.part").write_bytes(b"being written")
+    stale = JobFiles.for_attempt(storage, 5, 2, root)
+    assert (live.scratch / "checkpoint.npz.part").read_bytes() == b"being written"
+    assert stale.scratch == root / "jobs" / "5-2"
+    # The next attempt on this host removes both.
+    JobFiles.for_attempt(storage, 5, 4, root)
+    assert sorted(p.name for p in (root / "jobs").iterdir()) == ["5-4"]
