@@ -114,6 +114,7 @@ class LocalHandle:
         self.pipe_open = True
         self._failure: Message | None = None  # staging failed: this is the only message
         self._pidfd = self._status_fd = self._control = -1
+        self._sandbox_pidfd = -1  # the namespace's init, to wait for its end (see kill)
         self._cancelled = False
         self._ready = threading.Event()
         self._staged: staging.Staged | None = None
@@ -197,6 +198,9 @@ class LocalHandle:
         # pipe would kill it with SIGPIPE.
         self._status_fd = status_r
         self.pid = _sandboxed_pid(status_r) if isolated else self.process.pid
+        if isolated and self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._sandbox_pidfd = os.pidfd_open(self.pid)
         assert self.process.stdin is not None
         with contextlib.suppress(BrokenPipeError):
             self.process.stdin.write(json.dumps(child).encode())
@@ -308,6 +312,11 @@ class LocalHandle:
                 self.process.kill()  # bwrap itself (in "none" mode, the child again)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=10)
+        if self._sandbox_pidfd >= 0:
+            # bwrap's outer process dies at once; the namespace's init lives on until the
+            # kernel has ended every process inside, which for a large training process takes
+            # a while. The job is over (its GPU memory free) only when that init is gone.
+            select.select([self._sandbox_pidfd], [], [], 10)
 
     @property
     def exitcode(self) -> int | None:
@@ -341,10 +350,10 @@ class LocalHandle:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.kill()
-        for fd in (self._pidfd, self._status_fd, self._control):
+        for fd in (self._pidfd, self._status_fd, self._control, self._sandbox_pidfd):
             if fd >= 0:
                 os.close(fd)
-        self._pidfd = self._status_fd = self._control = -1
+        self._pidfd = self._status_fd = self._control = self._sandbox_pidfd = -1
         if self.files is not None:
             self.files.remove_scratch()
 
