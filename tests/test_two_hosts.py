@@ -143,11 +143,11 @@ def test_a_job_killed_on_one_host_resumes_on_another_from_the_stores_checkpoint(
     # The host that finished the job kept none of its files: they live in the store.
     assert not saved_models(host_b), host_b
     assert not list(host_b.rglob("checkpoint-*.npz")), host_b
-    # Host A kept no committed checkpoint either. SIGKILLed, it can leave behind the one it
-    # was writing or uploading at that moment (newer than any acknowledged): nothing removes
-    # a killed child's scratch (README, "Several hosts").
+    # Host A kept no committed checkpoint either. SIGKILLed, it can leave behind those not
+    # yet uploaded (newer than any acknowledged; the child does not wait for its host, so on
+    # a loaded machine there can be several): nothing removes a killed child's scratch
+    # (README, "Several hosts").
     assert not saved_models(host_a), host_a
     left = list(host_a.rglob("checkpoint-*.npz"))
-    assert len(left) <= 1, left
     for path in left:
         assert int(path.stem.rsplit("-", 1)[1]) > acknowledged, path
