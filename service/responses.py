@@ -51,14 +51,12 @@ class Summary(BaseModel):
     metrics: dict[str, Any]
 
 
-class GradientFigures(BaseModel):
-    """The whole model's gradient figures at one sampled step. ``G`` is the gradient of the
-    scaled loss as the optimizer received it (before unscaling), ``S`` the step's loss
-    scale; a figure is null where it is undefined."""
+class Figures(BaseModel):
+    """Gradient figures at one sampled step, of the whole model or one variable (as
+    ``workers.protocol.Figures``). ``G`` is the gradient of the scaled loss as the optimizer
+    received it (before unscaling), ``S`` the step's loss scale; a figure is null where it is
+    undefined."""
 
-    step: int
-    loss_scale: float = Field(description="S: the scale that multiplied this step's loss.")
-    shadow: bool = Field(description="Whether the float32 shadow ran at this step.")
     finite: bool = Field(description="All elements of G finite.")
     zero_share: float | None = Field(description="Share of the elements of G exactly zero.")
     log2_max: float | None = Field(description="log2 of the largest |G|.")
@@ -79,19 +77,18 @@ class GradientFigures(BaseModel):
     relative_error: float | None = Field(description="Shadow steps: |G/S - g32| / |g32|.")
 
 
-class VariableFigures(BaseModel):
-    """One trainable variable's figures at a sampled step (as the model's)."""
+class GradientFigures(Figures):
+    """The whole model's gradient figures at one sampled step."""
+
+    step: int
+    loss_scale: float = Field(description="S: the scale that multiplied this step's loss.")
+    shadow: bool = Field(description="Whether the float32 shadow ran at this step.")
+
+
+class VariableFigures(Figures):
+    """One trainable variable's figures at a sampled step."""
 
     name: str
-    finite: bool
-    zero_share: float | None
-    log2_max: float | None
-    log2_min_nonzero: float | None
-    headroom: float | None
-    subnormal_share: float | None
-    underflow_share: float | None
-    lost_share: float | None
-    relative_error: float | None
 
 
 class GradientSampleOut(GradientFigures):
@@ -170,6 +167,20 @@ class PrecisionDecisionOut(BaseModel):
     probes: list[ProbeOut] = Field(default_factory=list)
 
 
+class QueueSpot(BaseModel):
+    """Where a queued job waits (docs/scheduling.md)."""
+
+    position: int | None = Field(
+        description="1: the next claim takes it. Null: held back by the per-user cap."
+    )
+    ahead: int = Field(description="Jobs the claims take before it.")
+    reason: Literal["next", "priority", "share", "age", "per-user cap"] = Field(
+        description="next; priority (a higher-priority job is ahead); share (an owner further "
+        "below their share is ahead); age (only older jobs of equal standing are ahead); "
+        "per-user cap (the owner runs as many jobs as a user may)."
+    )
+
+
 class JobOut(BaseModel):
     id: int
     name: str
@@ -213,6 +224,48 @@ class JobOut(BaseModel):
     precision_decision: PrecisionDecisionOut | None = Field(
         None, description='precision.policy "auto": what was chosen and why (null: not yet).'
     )
+    queue: QueueSpot | None = Field(
+        None,
+        description="A queued job's place in the claim order (null: not queued; not "
+        "computed in the answers to submit, cancel and priority changes).",
+    )
+
+
+class QueueItem(BaseModel):
+    job_id: int
+    name: str
+    owner: str
+    priority: int
+    created_at: datetime
+    position: int | None
+    ahead: int
+    reason: str
+    owner_usage_seconds: float = Field(
+        description="The owner's recent use: slot-seconds (GPU-seconds), decayed, running "
+        "jobs included."
+    )
+    owner_weight: float
+    owner_standing: float = Field(description="usage / weight: the lower, the sooner.")
+
+
+class QueueOut(BaseModel):
+    items: list[QueueItem] = Field(description="Queued jobs in claim order.")
+    half_life_seconds: float
+
+
+class ShareOut(BaseModel):
+    owner: str
+    weight: float
+    share: float = Field(description="weight / the sum of every listed weight.")
+    usage_seconds: float
+    usage_share: float = Field(description="usage / the sum of every listed usage.")
+    standing: float = Field(description="usage / weight: the claim serves the lowest first.")
+    running: int
+
+
+class SharesOut(BaseModel):
+    items: list[ShareOut]
+    half_life_seconds: float
 
 
 class JobPage(BaseModel):
