@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from machine import cpu_model
 from storage_and_launch import example_checkpoint, example_spec
 
 from service.storage import FileStore, StorageConfig
@@ -80,12 +81,7 @@ def interleaved(rounds: int, runs: dict[str, Callable[[int], float]]) -> Timings
 
 
 def header() -> None:
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    cpu = cpu_model()
     bwrap = shutil.which("bwrap")
     version = (
         subprocess.run([bwrap, "--version"], capture_output=True, text=True).stdout.strip()

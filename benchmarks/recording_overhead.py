@@ -182,17 +182,23 @@ class HalfwayPath:
             self.recorded += len(message["records"])
 
     def run_epochs(self, first: int, epochs: int) -> None:
-        # As train() does: one fit per epoch, on that epoch's batch order.
-        for epoch in range(first, first + epochs):
-            self.built.trainer.fit(
-                self.data.epoch(epoch),
-                epochs=epoch + 1,
-                initial_epoch=epoch,
-                verbose=0,
-                shuffle=False,
-                callbacks=[self.stream],
-            )
+        fit_epochs(self.built.trainer, self.data, self.stream, first, epochs)
         self.trained += epochs * self.data.steps_per_epoch
+
+
+def fit_epochs(
+    trainer: keras.Model, data: Data, stream: StepStream, first: int, epochs: int
+) -> None:
+    """As train() does: one fit per epoch, on that epoch's batch order."""
+    for epoch in range(first, first + epochs):
+        trainer.fit(
+            data.epoch(epoch),
+            epochs=epoch + 1,
+            initial_epoch=epoch,
+            verbose=0,
+            shuffle=False,
+            callbacks=[stream],
+        )
 
 
 def keras_model(spec: dict[str, Any], spe: int) -> keras.Model:
