@@ -310,7 +310,7 @@ def create_app(
     docs_pages.install(app)
     # Bucket pages for long jobs run to hundreds of kilobytes of JSON and compress well.
     # Level 1 because it is about ten times cheaper than level 9 for a slightly larger result
-    # (README, "Decisions"). Starlette leaves text/event-stream alone, so the event stream is
+    # (docs/decisions.md). Starlette leaves text/event-stream alone, so the event stream is
     # not delayed. Arrow and Parquet are left alone: gzip would shrink a million-row Arrow
     # stream a few times (Parquet is compact already) but take longer than sending it on a LAN.
     app.add_middleware(

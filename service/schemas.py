@@ -440,7 +440,8 @@ class TransformerModel(StrictModel):
 class KerasModel(StrictModel):
     """Your own architecture: what ``model.to_json()`` produces (Sequential or Functional),
     as a JSON object or as that JSON text. Built in the training child with Keras' safe mode:
-    no Lambda layers, no custom objects; only the layer classes listed in the README."""
+    no Lambda layers, no custom objects; only the built-in layer classes that
+    service/modelconfig.py lists."""
 
     kind: Literal["keras"]
     config: dict[str, Any] | str = Field(description="model.to_json(), parsed or as text.")
@@ -900,7 +901,7 @@ class GradientsSpec(StrictModel):
     run's gradients come to float16's limits (small ones flushing to zero, large ones
     overflowing), sampled while it trains. A sample costs a fraction of a step and a shadow
     sample under one; only executions holding a sampled step run the metered step, so the
-    defaults cost about 3% of a step (the README has the measured figures). Both periods 0
+    defaults cost about 3% of a step (docs/results.md has the measured figures). Both periods 0
     take the meter out."""
 
     every: int = Field(

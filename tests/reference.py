@@ -1,4 +1,4 @@
-"""A plain-Python statement of the loss-scale rules, as README.md's "Loss scaling" section
+"""A plain-Python statement of the loss-scale rules, as docs/concepts.md's "Loss scaling" section
 states them (with the default knobs: stock Keras 3 ``LossScaleOptimizer``; beyond them the
 floor, cap and DeepSpeed-style hysteresis). It replays a sequence of finite/non-finite steps
 and gives the scale each step must have used, to check recorded histories against. Written

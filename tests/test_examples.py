@@ -1,4 +1,4 @@
-"""Every file in examples/ runs as the README says, through the real ``halfway`` executable,
+"""Every file in examples/ runs as the docs say, through the real ``halfway`` executable,
 against a live server with a real worker, and does what its comments promise."""
 
 from __future__ import annotations

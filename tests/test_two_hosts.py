@@ -146,7 +146,7 @@ def test_a_job_killed_on_one_host_resumes_on_another_from_the_stores_checkpoint(
     # Host A kept no committed checkpoint either. SIGKILLed, it can leave behind those not
     # yet uploaded (newer than any acknowledged; the child does not wait for its host, so on
     # a loaded machine there can be several): nothing removes a killed child's scratch
-    # (README, "Several hosts").
+    # (docs/hosts.md).
     assert not saved_models(host_a), host_a
     left = list(host_a.rglob("checkpoint-*.npz"))
     for path in left:

@@ -1,7 +1,7 @@
 """How ``halfway show`` and ``halfway gradients`` print a job's gradient samples and its
 precision decision, for people: shares as percentages, magnitudes as powers of two (2^-30.1),
 headroom in doublings (how many times the gradients could double before float16 overflows).
-The figures are the API's (see the README): ``G`` is the gradient of the scaled loss as the
+The figures are the API's (see docs/concepts.md): ``G`` is the gradient of the scaled loss as the
 optimizer received it, the shadow's ``g32`` the float32 reference on the same batch."""
 
 from __future__ import annotations
