@@ -98,6 +98,25 @@
     return String(Number(v.toPrecision(5)));
   }
 
+  const humanFormat = new Intl.NumberFormat("en-US", { maximumSignificantDigits: 5 });
+  const NBSP = "\u00a0"; // between a number and its unit: the two never part at a line end
+
+  /** A number for people: five significant digits with thousands separators (21,000.25 ->
+   * "21,000"), tiny ones in exponent form. */
+  function fmtHuman(v) {
+    if (v === null || v === undefined || !Number.isFinite(v)) return "–";
+    if (v !== 0 && Math.abs(v) < 1e-4) return v.toExponential(3);
+    return humanFormat.format(v);
+  }
+
+  function fmtSeconds(v) {
+    if (v === null || v === undefined || !Number.isFinite(v)) return "–";
+    if (Math.abs(v) < 1) return fmtHuman(v * 1000) + NBSP + "ms";
+    if (Math.abs(v) < 120) return fmtHuman(v) + NBSP + "s";
+    if (Math.abs(v) < 7200) return fmtHuman(v / 60) + NBSP + "min";
+    return fmtHuman(v / 3600) + NBSP + "h";
+  }
+
   function powerOfTwo(v) {
     if (!(v > 0)) return null;
     const k = Math.log2(v);
@@ -232,6 +251,23 @@
     if (slot && etag) etags.set(slot, { url, etag, body });
     else if (slot) etags.delete(slot);
     return { body, changed: true };
+  }
+
+  /** Any request with the token (the panels' log and artifacts, cancel, priority): the
+   * Response, or an HttpError carrying the server's message. */
+  async function request(method, url, body) {
+    const headers = {};
+    const token = storedToken();
+    if (token) headers.Authorization = "Bearer " + token;
+    if (body !== undefined) headers["Content-Type"] = "application/json";
+    const response = await fetch(url, { method, headers, cache: "no-store",
+      body: body === undefined ? undefined : JSON.stringify(body) });
+    if (!response.ok) {
+      const err = new HttpError(response.status, await errorMessage(response));
+      if (response.status === 401) tokenRefused(err);
+      throw err;
+    }
+    return response;
   }
 
   // ---- Polling -------------------------------------------------------------------------------
@@ -399,6 +435,9 @@
     setText(cell("overflows"), fmtInt(job.summary.overflow_count));
     cell("overflows").classList.toggle("warn", job.summary.overflow_count > 0);
     row.classList.toggle("selected", job.id === selection.id);
+    const index = comparison.ids.indexOf(job.id);
+    row.querySelector(".compare-box").checked = index >= 0;
+    row.querySelector(".swatch").style.background = index >= 0 ? COLORS[index] : "";
   }
 
   function renderStatus(node, status) {
@@ -468,8 +507,9 @@
     build(loss, scale) {
       this.destroy();
       this.charts = [
-        this.make(this.nodes[0], loss, "loss", 10, fmtLossTick, 220),
-        this.make(this.nodes[1], scale, "scale", 2, fmtScaleTick, 170),
+        // Heights chosen so both charts fit a 1400x900 screen under the job list.
+        this.make(this.nodes[0], loss, "loss", 10, fmtLossTick, 200),
+        this.make(this.nodes[1], scale, "scale", 2, fmtScaleTick, 150),
       ];
     }
 
@@ -480,7 +520,8 @@
         height,
         scales: { x: { time: false }, [scaleKey]: { distr: 3, log: logBase } },
         axes: [
-          { values: (u, splits) => splits.map(fmtStepTick) },
+          { label: "step", labelSize: 14, labelGap: 0, labelFont: "12px system-ui, sans-serif",
+            size: 34, values: (u, splits) => splits.map(fmtStepTick) },
           { scale: scaleKey, size: 64, values: (u, splits) => splits.map(tick) },
         ],
         series: [{ label: "step", value: (u, v) => fmtInt(v) },
@@ -495,6 +536,7 @@
         },
         hooks: { setSelect: [(u) => this.selected(u)] },
       };
+      node.dataset.xLabel = opts.axes[0].label; // drawn on the canvas; the tests read it here
       const empty = [[], ...series.map(() => [])];
       const chart = new uPlot(opts, empty, node);
       chart.over.addEventListener("dblclick", () => this.zoom(null));
@@ -662,21 +704,51 @@
 
   const selection = { id: null, hist: null, pair: null, layout: null };
 
+  // The address's fragment holds what a link should open: job=ID, tab=log|artifacts|...,
+  // compare=ID,ID,... and compare_steps=FROM-TO (the comparison's zoom). Selecting a job or a
+  // panel adds a history entry (back/forward work); a comparison edit replaces the current one.
+
+  function hashParams() {
+    return new URLSearchParams(location.hash.slice(1));
+  }
+
+  function setHash(changes, push) {
+    const p = hashParams();
+    for (const [key, value] of Object.entries(changes)) {
+      if (value === null || value === undefined || value === "") p.delete(key);
+      else p.set(key, String(value));
+    }
+    const text = p.toString().replace(/%2C/gi, ",");
+    if (push) {
+      location.hash = text; // hashchange does the rest
+    } else {
+      history.replaceState(null, "", location.pathname + location.search + (text ? "#" + text : ""));
+    }
+  }
+
   function selectJob(id) {
-    location.hash = "job=" + id; // hashchange does the rest; back/forward work too
+    setHash({ job: id }, true);
   }
 
   function selectFromHash() {
-    const match = /(?:^|&)job=(\d+)/.exec(location.hash.slice(1));
-    const id = match ? Number(match[1]) : null;
-    if (id === selection.id) return;
+    const p = hashParams();
+    compareFromHash(p);
+    const raw = p.get("job");
+    const id = raw && /^\d+$/.test(raw) ? Number(raw) : null;
+    if (id !== selection.id) selectJobNow(id);
+    if (panels) panels.tab(p.get("tab") || "");
+  }
+
+  function selectJobNow(id) {
     dropStream(); // the old job's stream, if any
     selection.id = id;
     selection.hist = id === null ? null : newHistory(id);
     selection.layout = null;
     if (selection.pair) selection.pair.destroy();
     if (gradients) gradients.select(id);
+    if (panels) panels.select(id);
     $("#job").hidden = id === null;
+    $("#app").classList.toggle("with-job", id !== null);
     for (const [rowId, row] of jobRows) row.classList.toggle("selected", rowId === id);
     kick();
   }
@@ -1168,7 +1240,10 @@
     renderSummary(job);
     renderProblems(job);
     renderMetrics(job.summary.metrics || {});
+    // A job with no step recorded that is not training says so instead of two empty charts.
+    $("#job-charts").hidden = job.summary.last_step === null && job.status !== "running";
     if (gradients) gradients.job(job);
+    if (panels) panels.job(job);
   }
 
   function renderSummary(job) {
@@ -1177,20 +1252,28 @@
     const pct = p.fraction === null ? "" : ` (${Math.round(p.fraction * 100)}%)`;
     const rows = [
       ["Progress", `${fmtInt(p.step ?? 0)} / ${fmtInt(p.total_steps)} steps${pct}`],
-      ["Epoch", p.epoch === null ? "–" : String(p.epoch)],
+      // progress.epoch counts from 0, as Keras does; people (and the metrics' last epoch)
+      // count from 1.
+      ["Epoch", p.epoch === null ? "–" : `${fmtInt(p.epoch + 1)}` +
+        (epochsPlanned(job) ? ` of ${fmtInt(epochsPlanned(job))}` : "")],
       ["Last loss", fmtLoss(s.last_loss, s.last_loss_nonfinite)],
       ["Loss scale", fmtScale(s.loss_scale)],
       ["Lowest scale", fmtScale(s.min_loss_scale)],
       ["Overflow steps", fmtInt(s.overflow_count)],
       ["Back-offs / growths", `${fmtInt(s.backoff_count)} / ${fmtInt(s.growth_count)}`],
       ["Non-finite losses", fmtInt(s.nonfinite_loss_count)],
-      ["Steps/s", fmtNumber(s.steps_per_second)],
+      ["Steps/s", fmtHuman(s.steps_per_second)],
       ["Attempt", `${job.attempt} of ${job.max_attempts}`],
       ["Created", fmtTime(job.created_at)],
       ["Finished", fmtTime(job.finished_at)],
     ];
     $("#job-summary").replaceChildren(...rows.flatMap(([term, value]) =>
       [el("dt", { text: term }), el("dd", { text: value })]));
+  }
+
+  function epochsPlanned(job) {
+    const training = job.spec && job.spec.training;
+    return training && Number.isInteger(training.epochs) ? training.epochs : null;
   }
 
   function renderProblems(job) {
@@ -1216,41 +1299,94 @@
       dl.replaceChildren(el("dd", { className: "muted", text: "none yet" }));
       return;
     }
-    dl.replaceChildren(...entries.flatMap(([label, value]) => [
-      el("dt", { text: label }),
-      el("dd", { text: value }),
-    ]));
+    dl.replaceChildren(...entries.flatMap(([label, value, key]) => (value === null
+      ? [el("dt", { className: "group", text: label })]
+      : [el("dt", { text: label, title: key }), el("dd", { text: value })])));
   }
 
-  /** The summary's metrics as [label, text] pairs: groups (last_epoch, timing) flattened into
-   * "last_epoch · accuracy", numbers formatted with the unit their name gives. */
-  function metricEntries(metrics, prefix) {
+  // Labels for the names Keras, the worker and the user give; others are spelled out from the
+  // key ("val_top_k" -> "Validation top k"). The raw key stays in the label's tooltip.
+  const METRIC_LABELS = {
+    last_epoch: "Last epoch",
+    timing: "Timing",
+    epoch: "Epoch",
+    loss: "Loss",
+    accuracy: "Accuracy",
+    median_step_seconds: "Median step",
+    examples_per_second: "Examples/s",
+    peak_memory_bytes: "Peak memory",
+    compile_seconds: "Compile time",
+    first_step_seconds: "First step",
+  };
+
+  function metricLabel(key) {
+    if (Object.hasOwn(METRIC_LABELS, key)) return METRIC_LABELS[key];
+    if (!/^[a-z][a-z0-9_]*$/.test(key)) return key; // not an identifier: the user's own words
+    if (key.startsWith("val_")) return "Validation " + metricLabel(key.slice(4)).toLowerCase();
+    const bare = key.replace(/_(seconds|bytes|per_second)$/, "");
+    const text = bare.replace(/_/g, " ");
+    return text.charAt(0).toUpperCase() + text.slice(1) +
+      (key.endsWith("_per_second") ? "/s" : "");
+  }
+
+  /** The summary's metrics as [label, text, key] rows; a group (last_epoch, timing) is a
+   * heading row ([label, null]) followed by its members. */
+  function metricEntries(metrics) {
     return Object.entries(metrics || {}).flatMap(([key, value]) => {
-      const label = (prefix ? prefix + " · " : "") + key; // the names Keras and the user gave
       if (value !== null && typeof value === "object" && !Array.isArray(value)) {
-        return metricEntries(value, label);
+        const members = Object.entries(value).map(([k, v]) =>
+          [metricLabel(k), fmtMetric(k, v), `${key}.${k}`]);
+        return [[metricLabel(key), null, key], ...members];
       }
-      return [[label, fmtMetric(key, value)]];
+      return [[metricLabel(key), fmtMetric(key, value), key]];
     });
   }
 
   function fmtMetric(key, value) {
     if (typeof value !== "number") return value === null ? "–" : String(value);
-    if (key.endsWith("_bytes")) return (value / 2 ** 20).toFixed(1) + " MiB";
-    if (key.endsWith("_per_second")) return fmtNumber(value) + " /s";
-    if (key.endsWith("_seconds")) return fmtNumber(value) + " s";
-    if (key === "epoch") return fmtInt(value + 1);
-    return fmtNumber(value);
+    if (key.endsWith("_bytes")) return (value / 2 ** 20).toFixed(1) + NBSP + "MiB";
+    if (key.endsWith("_per_second")) return fmtHuman(value) + NBSP + "/s";
+    if (key.endsWith("_seconds")) return fmtSeconds(value);
+    if (key === "epoch") return fmtInt(value + 1); // Keras counts epochs from 0
+    return fmtHuman(value);
   }
 
   // ---- Comparison -----------------------------------------------------------------------------
 
-  const comparison = { ids: [], pair: null, key: "", builtFor: "" };
+  const comparison = { ids: [], pair: null, key: "", builtFor: "", wantView: null };
 
   function toggleCompare(id, on) {
     const ids = comparison.ids.filter((x) => x !== id);
     if (on) ids.push(id);
-    comparison.ids = ids.slice(-CONFIG.maxCompare);
+    comparison.wantView = comparison.pair ? comparison.pair.view : null;
+    setCompare(ids.slice(-CONFIG.maxCompare));
+    setHash({ compare: comparison.ids.length ? comparison.ids.join(",") : null,
+      compare_steps: compareSteps() }, false);
+  }
+
+  function compareSteps() {
+    const view = comparison.pair && comparison.pair.view;
+    return view ? `${view.from}-${view.to}` : null;
+  }
+
+  /** A link opened cold (or back/forward) sets the comparison and its zoom. */
+  function compareFromHash(p) {
+    const ids = (p.get("compare") || "").split(",").filter((x) => /^\d+$/.test(x))
+      .map(Number).filter((x, i, all) => all.indexOf(x) === i).slice(-CONFIG.maxCompare);
+    const steps = /^(\d+)-(\d+)$/.exec(p.get("compare_steps") || "");
+    const view = steps && Number(steps[2]) > Number(steps[1])
+      ? { from: Number(steps[1]), to: Number(steps[2]) } : null;
+    if (ids.join(",") !== comparison.ids.join(",")) setCompare(ids);
+    comparison.wantView = view;
+    if (comparison.pair && JSON.stringify(view) !== JSON.stringify(comparison.pair.view)) {
+      comparison.pair.view = view;
+      comparison.key = "";
+      kick();
+    }
+  }
+
+  function setCompare(ids) {
+    comparison.ids = ids;
     for (const [rowId, row] of jobRows) {
       const index = comparison.ids.indexOf(rowId);
       row.querySelector(".compare-box").checked = index >= 0;
@@ -1283,8 +1419,10 @@
       comparison.pair = new ChartPair($("#compare-loss-chart"), $("#compare-scale-chart"),
         "compare", () => {
           comparison.key = "";
+          setHash({ compare_steps: compareSteps() }, false);
           kick();
         });
+      comparison.pair.view = comparison.wantView;
     }
     const ids = comparison.ids.slice();
     const view = comparison.pair.view;
@@ -1325,6 +1463,16 @@
   // loaded before this file): told of each selection, each change of the job and each zoom.
   const gradients = window.HalfwayGradients ? window.HalfwayGradients({ api, el, setText,
     fmtInt, fmtNumber, fmtScale, chartWidth, HttpError }) : null;
+
+  const panels = window.HalfwayPanels ? window.HalfwayPanels({ el, setText, fmtInt, fmtTime,
+    fmtScale, request, pollMs: CONFIG.pollMs,
+    setTab: (tab) => setHash({ tab }, true),
+    // A cancel or a priority change answered with the job: show it at once; the next poll
+    // (or the stream's status event) confirms it.
+    jobChanged: (job) => {
+      if (job.id === selection.id) renderJob(job);
+      kick();
+    } }) : null;
 
   function main() {
     takeTokenFromUrl();
