@@ -36,6 +36,7 @@ from service.routes import (
     history,
     jobs,
     meta,
+    queue,
     sweeps,
 )
 from service.schemas import LEGACY_AMP_ENV
@@ -305,6 +306,7 @@ def create_app(
     app.include_router(sweeps.router)
     app.include_router(code.router)
     app.include_router(dashboard.router)
+    queue.install(app, settings)
     dashboard.mount_static(app)
     openapi.install(app)
     docs_pages.install(app)

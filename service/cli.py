@@ -416,6 +416,53 @@ def users_revoke(name: str, right: Right) -> None:
     _change_grant(name, right, give=False)
 
 
+@users_app.command("shares")
+def users_shares() -> None:
+    """Each user's fair-share weight, share, recent use and standing (docs/scheduling.md),
+    the next to be served first."""
+    from service import fairshare
+
+    settings = Settings()
+    db = _database(settings)
+    migrate.upgrade(db.engine)
+    rule = fairshare.Rule(settings.fairshare_half_life, settings.max_running_per_user)
+    try:
+        with db.read() as session:
+            shares = fairshare.shares(session, rule)
+    finally:
+        db.dispose()
+    typer.echo(
+        f"{'user':<20} {'weight':>8} {'share':>7} {'used (h)':>10} {'of use':>7} "
+        f"{'standing':>10} {'running':>7}"
+    )
+    for s in shares:
+        typer.echo(
+            f"{s.owner:<20} {s.weight:>8g} {s.share:>7.1%} {s.usage / 3600:>10.2f} "
+            f"{s.usage_share:>7.1%} {s.standing:>10.0f} {s.running:>7}"
+        )
+    typer.echo(f"(use decays by half every {settings.fairshare_half_life:g} s)", err=True)
+
+
+@users_app.command("share")
+def users_share(name: str, weight: Annotated[float, typer.Argument(min=0.000001)]) -> None:
+    """Set a user's fair-share weight (1 by default): twice the weight, twice the share."""
+    from service import fairshare
+    from service.errors import HalfwayError
+
+    settings = Settings()
+    db = _database(settings)
+    migrate.upgrade(db.engine)
+    try:
+        with db.write() as session:
+            fairshare.set_weight(session, name, weight)
+    except HalfwayError as exc:
+        typer.echo(exc.message, err=True)
+        raise typer.Exit(1) from None
+    finally:
+        db.dispose()
+    typer.echo(f"{name}'s weight is now {weight:g}")
+
+
 def main() -> None:
     client_commands.register(app)
     app(prog_name="halfway")

@@ -16,8 +16,9 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select, update
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import Session
 
+from service import fairshare
 from service.dbclock import db_now
 from service.errors import Conflict, NotFound
 from service.models import FINISHED_STATUSES, Job
@@ -137,16 +138,7 @@ class Claim:
 # write one that others see as expired. Tests drive expiry by writing lease_expires_at.
 
 
-def _claimable() -> Any:
-    return or_(
-        Job.status == "queued",
-        and_(
-            Job.status == "running",
-            Job.lease_expires_at < db_now(),
-            Job.attempt < Job.max_attempts,
-            Job.cancel_requested.is_(False),
-        ),
-    )
+_claimable = fairshare.claimable
 
 
 def claim_next(
@@ -156,34 +148,34 @@ def claim_next(
     lease_seconds: float,
     gpus_held: int,
     max_running_per_user: int = 0,
+    half_life: float = fairshare.DEFAULT_HALF_LIFE,
     skip_locked: bool = True,
+    at: datetime | None = None,
 ) -> Claim | None:
-    """Claim the next job: highest priority, then the owner with the fewest running jobs,
-    then the oldest. Expired leases are reclaimed by the same query.
+    """Claim the next job in the fair-share order (``fairshare.claim_order``): highest
+    priority, then the owner furthest below their share of recent use, then the owner with
+    fewer running jobs, then the oldest. Expired leases are reclaimed by the same query.
+    ``at`` computes the order as of that instant instead of the database's now (tests and
+    benchmarks; leases always use the database's clock).
 
     On PostgreSQL the candidate row is locked with FOR UPDATE SKIP LOCKED so concurrent
     workers pick different jobs; SQLite ignores FOR UPDATE, so the caller runs this in a
     BEGIN IMMEDIATE transaction (``Database.write``), which serializes claims.
     """
-    other = aliased(Job)
-    running_for_owner = (
-        select(func.count())
-        .where(
-            other.owner == Job.owner,
-            other.status == "running",
-            other.lease_expires_at >= db_now(),
-        )
-        .correlate(Job)
-        .scalar_subquery()
-    )
+    owner = fairshare.standings(now=fairshare.at_time(at), half_life=half_life)
     candidate = (
         select(Job.id)
+        .join(owner, owner.c.owner == Job.owner)
         .where(_claimable(), or_(Job.gpus.is_(None), Job.gpus <= gpus_held))
-        .order_by(Job.priority.desc(), running_for_owner, Job.created_at, Job.id)
+        .order_by(
+            *fairshare.claim_order(
+                Job.priority, owner.c.key, owner.c.running, Job.created_at, Job.id
+            )
+        )
         .limit(1)
     )
     if max_running_per_user > 0:
-        candidate = candidate.where(running_for_owner < max_running_per_user)
+        candidate = candidate.where(owner.c.running < max_running_per_user)
     if skip_locked:
         candidate = candidate.with_for_update(skip_locked=True, of=Job)
     row = session.execute(
@@ -196,6 +188,7 @@ def claim_next(
             attempt=Job.attempt + 1,
             started_at=func.coalesce(Job.started_at, db_now()),
             updated_at=db_now(),
+            accrued_at=db_now(),
         )
         .returning(Job.id, Job.attempt, Job.spec, Job.checkpoint_step, Job.precision_decision)
         .execution_options(synchronize_session=False)
@@ -256,8 +249,10 @@ def finish(
     worker_id: str,
     status: str,
     error: str | None = None,
+    half_life: float = fairshare.DEFAULT_HALF_LIFE,
 ) -> bool:
-    """End a running job we hold. False if it is not ours any more."""
+    """End a running job we hold, adding its run to its owner's usage. False if it is not
+    ours any more."""
     assert status in FINISHED_STATUSES
     values: dict[str, Any] = {
         "status": status,
@@ -267,13 +262,26 @@ def finish(
     }
     if error is not None:
         values["error"] = error
-    result = session.execute(
+    return _end_run(session, job_id=job_id, worker_id=worker_id, values=values, half_life=half_life)
+
+
+def _end_run(
+    session: Session, *, job_id: int, worker_id: str, values: dict[str, Any], half_life: float
+) -> bool:
+    """The fenced UPDATE that ends a run (finish or requeue), then the run's time added to
+    its owner's usage in the same transaction. ``accrued_at`` is left as it was (only running
+    jobs read it), so RETURNING gives the start of the unaccrued time on both databases."""
+    row = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.worker_id == worker_id, Job.status == "running")
         .values(**values)
+        .returning(Job.owner, Job.accrued_at, Job.gpus)
         .execution_options(synchronize_session=False)
-    )
-    return bool(result.rowcount)  # type: ignore[attr-defined]
+    ).one_or_none()
+    if row is None:
+        return False
+    fairshare.accrue(session, owner=row[0], since=row[1], gpus=row[2], half_life=half_life)
+    return True
 
 
 def held_job(session: Session, *, job_id: int, worker_id: str) -> tuple[Job, datetime] | None:
@@ -304,9 +312,17 @@ def record_attempt_error(
     return True
 
 
-def requeue(session: Session, *, job_id: int, worker_id: str, count_attempt: bool = True) -> bool:
-    """Put a running job we hold back in the queue (a retry, or a worker shutting down).
-    ``count_attempt=False`` gives the attempt back: the job did not fail."""
+def requeue(
+    session: Session,
+    *,
+    job_id: int,
+    worker_id: str,
+    count_attempt: bool = True,
+    half_life: float = fairshare.DEFAULT_HALF_LIFE,
+) -> bool:
+    """Put a running job we hold back in the queue (a retry, or a worker shutting down),
+    adding the run to its owner's usage. ``count_attempt=False`` gives the attempt back: the
+    job did not fail."""
     values: dict[str, Any] = {
         "status": "queued",
         "worker_id": None,
@@ -315,13 +331,7 @@ def requeue(session: Session, *, job_id: int, worker_id: str, count_attempt: boo
     }
     if not count_attempt:
         values["attempt"] = Job.attempt - 1
-    result = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status == "running")
-        .values(**values)
-        .execution_options(synchronize_session=False)
-    )
-    return bool(result.rowcount)  # type: ignore[attr-defined]
+    return _end_run(session, job_id=job_id, worker_id=worker_id, values=values, half_life=half_life)
 
 
 def expire_abandoned(session: Session) -> int:

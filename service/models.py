@@ -197,6 +197,10 @@ class Job(Base):
     # sample and of the last shadow sample, kept as samples are written and recomputed when a
     # resume cuts them (service/gradients.py).
     gradients_summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # A running job's time from here on is not yet in its owner's ``user_usage``: set by the
+    # claim, read by the fair-share order (a running job counts while it runs) and by the
+    # accrual when the run ends (service/fairshare.py; migration 0009).
+    accrued_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
 
 class Step(Base):
@@ -207,7 +211,7 @@ class Step(Base):
     __table_args__ = ({"sqlite_with_rowid": False},)
 
     # No foreign key to job: PostgreSQL's per-row trigger check cost several times the COPY
-    # itself (migration 0002; the README has the figures). Only the fenced write path,
+    # itself (migration 0002; docs/results.md has the figures). Only the fenced write path,
     # holding the job row, inserts steps.
     job_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     step: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
@@ -301,6 +305,21 @@ class User(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     disabled: Mapped[bool] = mapped_column(default=False, server_default=false())
+
+
+class UserUsage(Base):
+    """Fair share (service/fairshare.py): an owner's weight and recent use. ``usage_seconds``
+    is slot-seconds (GPU-seconds for jobs holding GPUs) as of ``as_of``, decayed with the
+    half-life before each accrual; keyed by the jobs' owner name, so the order every host's
+    claim computes comes from the database alone. No row: weight 1, no usage."""
+
+    __tablename__ = "user_usage"
+    __table_args__ = (CheckConstraint("weight > 0", name="ck_user_usage_weight"),)
+
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
+    usage_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    as_of: Mapped[datetime]
 
 
 class AuthState(Base):

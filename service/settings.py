@@ -98,6 +98,12 @@ class Settings(BaseSettings):
         "none (the server's user; announced), or auto: bubblewrap where it works, else none.",
     )
     max_running_per_user: int = Field(default=0, ge=0, description="0 means no limit.")
+    fairshare_half_life: float = Field(
+        default=86400.0,
+        gt=0,
+        description="Seconds after which a user's recorded use counts half in the fair-share "
+        "order (docs/scheduling.md).",
+    )
     poll_cache_seconds: float = Field(
         default=0.5,
         ge=0,

@@ -31,7 +31,7 @@ pytest_plugins = ["tests.live", "tests.s3"]
 
 PG_URL = os.environ.get("HALFWAY_TEST_DATABASE_URL")
 BACKENDS = ["sqlite", "postgresql"] if PG_URL else ["sqlite"]
-TABLES = ("step", "step_rollup", "scale_event", "job", "sweep", '"user"')
+TABLES = ("step", "step_rollup", "scale_event", "job", "sweep", '"user"', "user_usage")
 
 
 @pytest.fixture(scope="session")

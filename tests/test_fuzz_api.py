@@ -85,6 +85,9 @@ OPERATIONS = [
     "GET /v1/sweeps/{sweep_id}",
     "POST /v1/code",
     "GET /v1/code/{digest}",
+    "GET /v1/queue",
+    "GET /v1/users/shares",
+    "PUT /v1/users/{name}/share",
 ]
 
 # Schema-valid input that a rule spanning several fields still refuses, rightly, with a 422:

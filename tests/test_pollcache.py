@@ -15,7 +15,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 from sqlalchemy import event, select, update
 
-from service import jobs
+from service import fairshare, jobs
 from service.app import create_app
 from service.db import Database
 from service.etag import serialize
@@ -238,9 +238,10 @@ def _whole_page(db: Database, limit: int) -> bytes:
         rows = list(session.scalars(select(Job).order_by(Job.id.desc()).limit(limit + 1)))
         next_id = rows[limit - 1].id if len(rows) > limit else None
         rows = rows[:limit]
-        page = JobPage(
-            items=[job_out(j) for j in rows], next_cursor=str(next_id) if next_id else None
-        )
+        # Queued jobs carry their place in the queue (service/fairshare.py).
+        places = {p.job_id: p for p in fairshare.queue(session, fairshare.Rule())}
+        items = [routes_jobs.queued_out(j, routes_jobs.queue_spot(places.get(j.id))) for j in rows]
+        page = JobPage(items=items, next_cursor=str(next_id) if next_id else None)
         return serialize(page)
 
 

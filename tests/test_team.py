@@ -13,7 +13,7 @@ from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
 
 from service.db import Database
-from service.models import Job
+from service.models import Job, utcnow
 from service.settings import Settings
 from tests.conftest import Api, Team
 from tests.test_claims import claim, make_jobs
@@ -77,11 +77,14 @@ def test_a_user_with_ten_queued_jobs_does_not_starve_another_users_one(db: Datab
     assert second.job_id == bobs
 
 
-def test_fairness_counts_running_jobs_not_queue_length(db: Database) -> None:
+def test_at_equal_use_fairness_counts_running_jobs_not_queue_length(db: Database) -> None:
     a = make_jobs(db, 3, owner="alice")
     b = make_jobs(db, 3, owner="bob")
-    order = [claim(db, f"w{i}").job_id for i in range(6)]  # type: ignore[union-attr]
-    # Owners alternate, each in age order.
+    # At one instant (before any job has run a moment) both owners have used nothing, so the
+    # fair-share order falls back on running jobs: owners alternate, each in age order. (As
+    # time passes, an owner whose jobs started earlier has used more: tests/test_fair_share.py.)
+    instant = utcnow()
+    order = [claim(db, f"w{i}", at=instant).job_id for i in range(6)]  # type: ignore[union-attr]
     assert order == [a[0], b[0], a[1], b[1], a[2], b[2]]
 
 

@@ -131,6 +131,7 @@ class Supervisor:
                 lease_seconds=self.settings.lease_seconds,
                 gpus_held=len(self.gpu_ids),
                 max_running_per_user=self.settings.max_running_per_user,
+                half_life=self.settings.fairshare_half_life,
             )
         if claim is None:
             return False
@@ -435,7 +436,12 @@ class Supervisor:
             if outcome.status == "retry":
                 job = jobs.get_job(session, run.job_id)
                 if run.attempt < job.max_attempts:
-                    ok = jobs.requeue(session, job_id=run.job_id, worker_id=self.worker_id)
+                    ok = jobs.requeue(
+                        session,
+                        job_id=run.job_id,
+                        worker_id=self.worker_id,
+                        half_life=self.settings.fairshare_half_life,
+                    )
                     return outcome if ok else lost
                 outcome = Outcome(
                     "failed",
@@ -443,7 +449,11 @@ class Supervisor:
                 )
             if outcome.status == "released":
                 ok = jobs.requeue(
-                    session, job_id=run.job_id, worker_id=self.worker_id, count_attempt=False
+                    session,
+                    job_id=run.job_id,
+                    worker_id=self.worker_id,
+                    count_attempt=False,
+                    half_life=self.settings.fairshare_half_life,
                 )
                 return outcome if ok else lost
             ok = jobs.finish(
@@ -452,6 +462,7 @@ class Supervisor:
                 worker_id=self.worker_id,
                 status=outcome.status,
                 error=outcome.error,
+                half_life=self.settings.fairshare_half_life,
             )
             if not ok:
                 return lost
@@ -477,7 +488,12 @@ class Supervisor:
                     session, job_id=job_id, worker_id=worker_id, attempt=claim.attempt, error=error
                 )
                 and jobs.finish(
-                    session, job_id=job_id, worker_id=worker_id, status="failed", error=error
+                    session,
+                    job_id=job_id,
+                    worker_id=worker_id,
+                    status="failed",
+                    error=error,
+                    half_life=self.settings.fairshare_half_life,
                 )
             ):
                 return Outcome("lost", "the job was no longer ours when it was refused")

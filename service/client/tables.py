@@ -36,6 +36,7 @@ def jobs_table(page: dict[str, Any]) -> Table:
         ("loss scale", "right"),
         ("overflows", "right"),
         ("created", "left"),
+        ("queue", "left"),
     ):
         table.add_column(name, justify=justify, no_wrap=name != "name")  # type: ignore[arg-type]
     for job in page["items"]:
@@ -49,8 +50,30 @@ def jobs_table(page: dict[str, Any]) -> Table:
             fmt_number(summary["loss_scale"]),
             Text(str(summary["overflow_count"]), style="red" if summary["overflow_count"] else ""),
             fmt_time(job["created_at"]),
+            fmt_queue(job.get("queue")),
         )
     return table
+
+
+REASONS = {
+    "next": "next to start",
+    "priority": "higher-priority jobs ahead",
+    "share": "owners further below their share ahead",
+    "age": "older jobs ahead",
+    "per-user cap": "the owner runs as many jobs as a user may",
+}
+
+
+def fmt_queue(queue: Mapping[str, Any] | None, *, long: bool = False) -> str:
+    """A queued job's place: ``#3 share`` (``long``: with the jobs ahead and the reason in
+    words); empty when the job is not queued."""
+    if not queue:
+        return ""
+    place = "held" if queue.get("position") is None else f"#{queue['position']}"
+    if not long:
+        return f"{place} {queue.get('reason', '')}".strip()
+    why = REASONS.get(str(queue.get("reason")), str(queue.get("reason")))
+    return f"{place}, {queue.get('ahead', 0)} ahead ({why})"
 
 
 def _grid() -> Table:
@@ -206,6 +229,8 @@ def job_details(job: Job) -> Table:
         grid.add_row("error", Text(job["error"], style="red"))
     grid.add_row("owner", Text(job["owner"]))
     grid.add_row("priority", str(job["priority"]))
+    if job.get("queue"):
+        grid.add_row("queue", Text(fmt_queue(job["queue"], long=True)))
     attempt = f"{job['attempt']} of {job['max_attempts']}"
     if job.get("worker_id"):
         attempt += f" (worker {job['worker_id']})"

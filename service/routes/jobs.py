@@ -1,11 +1,19 @@
-"""Job endpoints: submit, list, read (with ETag), cancel, change priority."""
+"""Job endpoints: submit, list, read (with ETag), cancel, change priority.
+
+A queued job's answer carries its place in the claim order (``queue``: service/fairshare.py),
+computed with the app's fair-share rule (``use_rule``; the default rule until one is set),
+so every path that builds a job's snapshot (the routes, the lean polls, the pages) shows the
+same place.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from functools import partial
 from typing import Annotated, Any, Literal
+from weakref import WeakKeyDictionary
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -13,8 +21,9 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 from sqlalchemy import Row
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
-from service import grants, joblist, jobs, normalization
+from service import fairshare, grants, joblist, jobs, normalization
 from service.auth import require_owner_or_admin
 from service.db import Database
 from service.deps import (
@@ -36,6 +45,7 @@ from service.responses import (
     JobPage,
     PrecisionDecisionOut,
     Progress,
+    QueueSpot,
     Summary,
     error_responses,
     json_float,
@@ -45,6 +55,45 @@ from service.schemas import JobSpec, StrictModel, SubmitResult
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 LIST_LIMIT = 50  # the job list's page size when the query names none
+
+# The fair-share rule of each app, by its poll cache: the one object every snapshot path is
+# handed along with the database (service/routes/queue.py ``install`` sets it).
+_RULES: WeakKeyDictionary[PollCache, fairshare.Rule] = WeakKeyDictionary()
+
+
+def use_rule(cache: PollCache, rule: fairshare.Rule) -> None:
+    _RULES[cache] = rule
+
+
+def rule_of(cache: PollCache) -> fairshare.Rule:
+    return _RULES.get(cache, fairshare.Rule())
+
+
+# The whole queue's places, kept as long as a snapshot is (the cache's age): every queued job's
+# snapshot and every listing needs the whole order, and a long queue's costs a fair part of a
+# second (benchmarks/claim.py), so two hundred queued jobs polled pay it once, not each.
+_PLACES: WeakKeyDictionary[PollCache, tuple[float, dict[int, fairshare.Place]]] = (
+    WeakKeyDictionary()
+)
+
+
+def places(
+    session: Session, cache: PollCache, job_id: int | None = None
+) -> dict[int, fairshare.Place]:
+    """The queue's places by job id: the kept ones while young and holding ``job_id``."""
+    kept = _PLACES.get(cache)
+    now = time.monotonic()
+    if kept is not None and now - kept[0] < cache.ttl and (job_id is None or job_id in kept[1]):
+        return kept[1]
+    fresh = {p.job_id: p for p in fairshare.queue(session, rule_of(cache))}
+    _PLACES[cache] = (now, fresh)
+    return fresh
+
+
+def queue_spot(place: fairshare.Place | None) -> QueueSpot | None:
+    if place is None or place.status != "queued":
+        return None
+    return QueueSpot(position=place.position, ahead=place.ahead, reason=place.reason)
 
 
 def job_out(job: Job) -> JobOut:
@@ -223,16 +272,28 @@ def job_listing(db: Database, cache: PollCache, key: ListKey) -> Listing:
             rows, next_id = joblist.list_rows(
                 session, status=status, owner=owner, before_id=before_id, limit=limit
             )
-        items = [
-            cache.item(row.id, joblist.fingerprint(row), partial(_encoded, row)) for row in rows
-        ]
+            where: dict[int, fairshare.Place] = {}
+            if any(row.status == "queued" for row in rows):
+                where = places(session, cache)
+        items = []
+        for row in rows:
+            spot = queue_spot(where.get(row.id))
+            # The place moves while the row stays: it is part of what the JSON is made from.
+            made_of = joblist.fingerprint(row) + (b"" if spot is None else serialize(spot))
+            items.append(cache.item(row.id, made_of, partial(_encoded, row, spot)))
         return page_text(items, str(next_id) if next_id else None)
 
     return cache.listing(key, load)
 
 
-def _encoded(row: Row[Any]) -> bytes:
-    return serialize(job_out(joblist.job_of(row)))
+def _encoded(row: Row[Any], spot: QueueSpot | None) -> bytes:
+    return serialize(queued_out(joblist.job_of(row), spot))
+
+
+def queued_out(job: Job, spot: QueueSpot | None) -> JobOut:
+    """``job_out`` with the job's place in the queue, if it has one."""
+    out = job_out(job)
+    return out if spot is None else out.model_copy(update={"queue": spot})
 
 
 def page_text(items: list[bytes], next_cursor: str | None) -> bytes:
@@ -269,7 +330,11 @@ def job_snapshot(db: Database, cache: PollCache, job_id: int) -> Snapshot:
 
     def load() -> JobOut:
         with db.read() as session:
-            return job_out(jobs.get_job(session, job_id))
+            job = jobs.get_job(session, job_id)
+            spot = None
+            if job.status == "queued":
+                spot = queue_spot(places(session, cache, job_id).get(job_id))
+            return queued_out(job, spot)
 
     return cache.snapshot(job_id, load)
 

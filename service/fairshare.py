@@ -1,0 +1,360 @@
+"""Fair share by recent use: the claim order, usage accrual, queue positions and shares.
+
+The rule (docs/scheduling.md has it with its reasons). An owner's *usage* U is slot-seconds,
+GPU-seconds for a job holding GPUs (a job's running wall time times ``max(gpus, 1)``), decayed
+with the half-life H (``HALFWAY_FAIRSHARE_HALF_LIFE``)::
+
+    U(now) = S * 2 ** (-(now - as_of) / H) + sum over the owner's running jobs of
+             (now - accrued_at) * max(gpus, 1)
+
+where ``S`` and ``as_of`` are the owner's ``user_usage`` row, to which a run's time is added
+when it ends (``accrue``: ``S <- S * 2 ** (-(now - as_of) / H) + elapsed``, ``as_of <- now``).
+A running job therefore counts while it runs, and every host computes the same figure from
+the database alone, on the database's clock. Among jobs of equal priority the claim goes to
+the owner with the lowest ``U / weight`` (the furthest below their share; weight 1 unless an
+admin set one), at equal standing to the owner with fewer running jobs (so that two owners who
+both have used nothing alternate, as before), then to the oldest job (``claim_order``).
+
+Why decay inside the statement: scaling every owner's ``S`` by one factor would not change the
+order, but each row was last decayed at its own ``as_of``, and the running time is added
+undecayed, so ``S * 2 ** (-(now - as_of) / H)`` must be brought to one ``now`` before adding.
+
+Positions (``queue``) use the same ``claim_order`` over the same expressions. Each claim adds
+one running job to its owner (and nothing to its usage yet: its time since the claim is 0), so
+the k-th queued job of an owner (by priority, then age) is ranked with that owner's running
+count plus k; ordering every claimable job by that key gives exactly the sequence repeated
+claims at one instant would take, since each owner's own jobs already come in that order.
+A position is a snapshot: as running jobs accrue time the order moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from sqlalchemy import ColumnElement, Float, Subquery, and_, case, func, literal, or_, select, union
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.orm import Session
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
+
+from service.dbclock import db_now
+from service.errors import NotFound
+from service.models import Job, User, UserUsage, UTCDateTime
+
+DEFAULT_HALF_LIFE = 86400.0
+# 2**-1000 is still a normal double, and PostgreSQL's power() raises on underflow: after a
+# thousand half-lives the usage is as good as zero.
+MAX_HALVINGS = 1000.0
+
+Reason = Literal["next", "priority", "share", "age", "per-user cap"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What the order depends on beyond the database: the half-life, and the per-user cap
+    (``HALFWAY_MAX_RUNNING_PER_USER``; 0: none). Every host should use the same values."""
+
+    half_life: float = DEFAULT_HALF_LIFE
+    max_running_per_user: int = 0
+
+
+class seconds_between(FunctionElement[float]):  # lower case: it reads as the SQL it is
+    """``later - earlier`` in seconds, at least 0; 0 when ``earlier`` is NULL."""
+
+    type = Float()
+    inherit_cache = True
+    name = "halfway_seconds_between"
+
+    def __init__(self, earlier: Any, later: Any) -> None:
+        super().__init__(earlier, later)
+
+
+def _operands(element: seconds_between, compiler: SQLCompiler, **kw: Any) -> tuple[str, str]:
+    earlier, later = element.clauses
+    return compiler.process(earlier, **kw), compiler.process(later, **kw)
+
+
+@compiles(seconds_between, "postgresql")
+def _postgresql(element: seconds_between, compiler: SQLCompiler, **kw: Any) -> str:
+    earlier, later = _operands(element, compiler, **kw)
+    # GREATEST skips a NULL, so a NULL start counts as 0.
+    return f"GREATEST(CAST(EXTRACT(EPOCH FROM ({later}) - ({earlier})) AS DOUBLE PRECISION), 0)"
+
+
+@compiles(seconds_between, "sqlite")
+def _sqlite(element: seconds_between, compiler: SQLCompiler, **kw: Any) -> str:
+    earlier, later = _operands(element, compiler, **kw)
+    return f"MAX(COALESCE((julianday({later}) - julianday({earlier})) * 86400.0, 0), 0)"
+
+
+def at_time(at: datetime | None) -> ColumnElement[datetime]:
+    """The instant the order is computed for: the database's now, or (tests, benchmarks) a
+    fixed one, so that positions and claims can be compared at one instant."""
+    return db_now() if at is None else literal(at, UTCDateTime())
+
+
+def slots(job: Any) -> ColumnElement[int]:
+    """What a running job uses per second: its GPUs, or one slot without any."""
+    rate: ColumnElement[int] = case((func.coalesce(job.gpus, 0) > 1, job.gpus), else_=1)
+    return rate
+
+
+def decayed(usage: Any, as_of: Any, now: Any, half_life: float) -> ColumnElement[float]:
+    halvings = seconds_between(as_of, now) / literal(float(half_life), Float())
+    capped = case((halvings > MAX_HALVINGS, MAX_HALVINGS), else_=halvings)
+    factor: ColumnElement[float] = func.power(literal(0.5, Float()), capped, type_=Float())
+    result: ColumnElement[float] = factor * usage
+    return result
+
+
+def claimable() -> ColumnElement[bool]:
+    """Queued jobs, and running ones whose worker vanished (lease expired) with attempts left."""
+    return or_(
+        Job.status == "queued",
+        and_(
+            Job.status == "running",
+            Job.lease_expires_at < db_now(),
+            Job.attempt < Job.max_attempts,
+            Job.cancel_requested.is_(False),
+        ),
+    )
+
+
+def standings(*, now: Any, half_life: float, owners: Subquery | None = None) -> Subquery:
+    """Each owner's figures, one row per owner (columns ``owner``, ``usage``, ``weight``,
+    ``running``, ``key``): the owners with jobs queued or running, or those of ``owners`` (a
+    subquery with an ``owner`` column). A derived table the claim joins, rather than
+    subqueries per queued job: its cost is one pass over the active jobs, whatever the
+    queue's length (benchmarks/claim.py)."""
+    live = and_(Job.status == "running", Job.lease_expires_at >= db_now())
+    active = (
+        select(
+            Job.owner.label("owner"),
+            func.count(case((live, 1))).label("running"),
+            func.sum(
+                case((live, seconds_between(Job.accrued_at, now) * slots(Job)), else_=0.0)
+            ).label("running_time"),
+        )
+        .where(Job.status.in_(("queued", "running")))
+        .group_by(Job.owner)
+        .subquery("active")
+    )
+    base = active if owners is None else owners
+    usage = func.coalesce(
+        decayed(UserUsage.usage_seconds, UserUsage.as_of, now, half_life), 0.0
+    ) + func.coalesce(active.c.running_time, 0.0)
+    weight = func.coalesce(UserUsage.weight, 1.0)
+    query = select(
+        base.c.owner.label("owner"),
+        usage.label("usage"),
+        weight.label("weight"),
+        func.coalesce(active.c.running, 0).label("running"),
+        (usage / weight).label("key"),
+    )
+    if owners is not None:
+        query = query.select_from(owners).outerjoin(active, active.c.owner == owners.c.owner)
+    return query.outerjoin(UserUsage, UserUsage.owner == base.c.owner).subquery("standing")
+
+
+def claim_order(
+    priority: Any, key: Any, running: Any, created_at: Any, job_id: Any
+) -> list[ColumnElement[Any]]:
+    """THE order of the queue, for the claim and for positions alike: priority, then the
+    owner furthest below their share, then the owner with fewer running jobs, then the
+    oldest job."""
+    return [priority.desc(), key, running, created_at, job_id]
+
+
+# ---------------------------------------------------------------------------------------------
+# Accrual
+
+
+def accrue(
+    session: Session, *, owner: str, since: datetime | None, gpus: int | None, half_life: float
+) -> None:
+    """Add a run's time since ``since`` (its ``accrued_at``) to its owner's usage, decaying
+    what was there to the database's now first. Called in the transaction that ends the run."""
+    if since is None:
+        return
+    rate = max(gpus or 0, 1)
+    added = seconds_between(literal(since, UTCDateTime()), db_now()) * rate
+    stmt = _insert(session).values(owner=owner, weight=1.0, usage_seconds=added, as_of=db_now())
+    session.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["owner"],
+            set_={
+                "usage_seconds": decayed(
+                    UserUsage.usage_seconds, UserUsage.as_of, db_now(), half_life
+                )
+                + stmt.excluded.usage_seconds,
+                "as_of": stmt.excluded.as_of,
+            },
+        )
+    )
+
+
+def set_weight(session: Session, owner: str, weight: float) -> None:
+    """An admin's weight for ``owner`` (a user): twice the weight, twice the share."""
+    if session.scalar(select(User.id).where(User.name == owner)) is None:
+        raise NotFound(f"user {owner} does not exist")
+    stmt = _insert(session).values(owner=owner, weight=weight, usage_seconds=0.0, as_of=db_now())
+    session.execute(
+        stmt.on_conflict_do_update(index_elements=["owner"], set_={"weight": stmt.excluded.weight})
+    )
+    session.flush()
+
+
+def _insert(session: Session) -> Any:
+    """An INSERT into ``user_usage`` that takes ON CONFLICT, in the session's dialect."""
+    if session.get_bind().dialect.name == "postgresql":
+        return postgresql.insert(UserUsage)
+    return sqlite.insert(UserUsage)
+
+
+# ---------------------------------------------------------------------------------------------
+# Positions and shares
+
+
+@dataclass(frozen=True)
+class Place:
+    job_id: int
+    name: str
+    owner: str
+    status: str
+    priority: int
+    created_at: datetime
+    usage: float  # the owner's usage now, seconds
+    weight: float
+    position: int | None  # 1: the next claim takes it; None: held back by the per-user cap
+    ahead: int  # claimable jobs before it in the order
+    reason: Reason
+
+
+def queue(session: Session, rule: Rule, *, at: datetime | None = None) -> list[Place]:
+    """Every claimable job in claim order, with its position and why it waits.
+
+    Reasons: ``next`` (position 1); ``priority`` (a job of higher priority is ahead);
+    ``share`` (a job of another owner who stands further below their share, or at equal
+    standing runs fewer jobs, is ahead); ``age`` (only older jobs of equal standing are ahead,
+    the owner's own included); ``per-user cap`` (the owner would reach the cap before this
+    job; no position). GPUs are not considered: the database does not know the slots."""
+    st = standings(now=at_time(at), half_life=rule.half_life)
+    rank = func.row_number().over(
+        partition_by=Job.owner, order_by=(Job.priority.desc(), Job.created_at, Job.id)
+    )
+    inner = (
+        select(
+            Job.id,
+            Job.name,
+            Job.owner,
+            Job.status,
+            Job.priority,
+            Job.created_at,
+            st.c.usage,
+            st.c.weight,
+            st.c.running,
+            st.c.key,
+            (rank - 1).label("rank"),
+        )
+        .join(st, st.c.owner == Job.owner)
+        .where(claimable())
+        .subquery()
+    )
+    rows = session.execute(
+        select(inner).order_by(
+            *claim_order(
+                inner.c.priority,
+                inner.c.key,
+                inner.c.running + inner.c.rank,
+                inner.c.created_at,
+                inner.c.id,
+            )
+        )
+    ).all()
+    cap = rule.max_running_per_user
+    reasons: dict[int, Reason] = {}
+    # Only jobs the claims would take count as ahead of another.
+    line = [row for row in rows if not (cap > 0 and row.running + row.rank >= cap)]
+    block = 0  # where the current priority's jobs start in ``line``
+    other: int | None = None  # in that block, the first job of an owner not the block's first
+    for i, row in enumerate(line):
+        if row.priority != line[block].priority:
+            block, other = i, None
+        first = line[block]
+        if other is None and row.owner != first.owner:
+            other = i
+        rival = first if first.owner != row.owner else (None if other is None else line[other])
+        if i == 0:
+            reasons[row.id] = "next"
+        elif line[0].priority > row.priority:
+            reasons[row.id] = "priority"
+        elif rival is not None and (rival.key, rival.running + rival.rank) < (
+            row.key,
+            row.running + row.rank,
+        ):
+            reasons[row.id] = "share"
+        else:
+            reasons[row.id] = "age"
+    places: list[Place] = []
+    position = 0
+    for row in rows:
+        reason = reasons.get(row.id, "per-user cap")
+        if reason != "per-user cap":
+            position += 1
+        places.append(
+            Place(
+                job_id=row.id,
+                name=row.name,
+                owner=row.owner,
+                status=row.status,
+                priority=row.priority,
+                created_at=row.created_at,
+                usage=float(row.usage),
+                weight=float(row.weight),
+                position=None if reason == "per-user cap" else position,
+                ahead=position if reason == "per-user cap" else position - 1,
+                reason=reason,
+            )
+        )
+    return places
+
+
+@dataclass(frozen=True)
+class Share:
+    owner: str
+    weight: float
+    share: float  # weight / all listed weights
+    usage: float  # seconds, decayed, running jobs included
+    usage_share: float  # usage / all listed usage (0 when nobody used anything)
+    standing: float  # usage / weight: the claim's key
+    running: int
+
+
+def shares(session: Session, rule: Rule, *, at: datetime | None = None) -> list[Share]:
+    """Every user's (and every owner's with recorded use or jobs waiting or running) weight,
+    share, recent usage and standing, lowest standing (next to be served) first."""
+    names = union(
+        select(User.name.label("owner")),
+        select(UserUsage.owner.label("owner")),
+        select(Job.owner.label("owner")).where(Job.status.in_(("queued", "running"))),
+    ).subquery()
+    st = standings(now=at_time(at), half_life=rule.half_life, owners=names)
+    rows = session.execute(select(st.c.owner, st.c.usage, st.c.weight, st.c.running)).all()
+    total_weight = sum(float(r[2]) for r in rows) or 1.0
+    total_usage = sum(float(r[1]) for r in rows)
+    out = [
+        Share(
+            owner=r[0],
+            weight=float(r[2]),
+            share=float(r[2]) / total_weight,
+            usage=float(r[1]),
+            usage_share=float(r[1]) / total_usage if total_usage > 0 else 0.0,
+            standing=float(r[1]) / float(r[2]),
+            running=int(r[3]),
+        )
+        for r in rows
+    ]
+    return sorted(out, key=lambda s: (s.standing, s.running, s.owner))
