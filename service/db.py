@@ -10,6 +10,7 @@ SQLite needs care to behave under several writers (API requests, a worker writin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +55,12 @@ def make_engine(url: str, *, pool_size: int = POOL_SIZE) -> Engine:
     return create_engine(url, pool_size=15, max_overflow=pool_size - 15, pool_pre_ping=True)
 
 
+def _power(base: float | None, exponent: float | None) -> float | None:
+    if base is None or exponent is None:
+        return None
+    return math.pow(base, exponent)
+
+
 def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -64,6 +71,10 @@ def _configure_sqlite(engine: Engine) -> None:
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cursor.close()
+        # power() is built into SQLite only where it was compiled with its math functions,
+        # and a process binds to whichever SQLite it loads first (TensorFlow ships one
+        # without them): the fair-share decay brings its own.
+        dbapi_connection.create_function("power", 2, _power, deterministic=True)
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:

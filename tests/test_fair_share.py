@@ -5,6 +5,8 @@ and the API and CLI that show them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -251,3 +253,24 @@ def test_halfway_jobs_and_show_print_the_place(api: Api, team: Team) -> None:
     assert "#2 priority" in row
     console.print(tables.job_details(api.get(f"/v1/jobs/{waiting}").json()))
     assert "#2, 1 ahead (higher-priority jobs ahead)" in console.export_text()
+
+
+def test_a_sqlite_claim_works_in_a_process_that_has_imported_tensorflow(
+    db: Database, db_url: str
+) -> None:
+    """TensorFlow bundles its own SQLite, built without the math functions (power()), and a
+    process that imports it first binds every later SQLite connection to that build: the
+    fair-share decay must not depend on the SQLite a process happens to load."""
+    (job_id,) = make_jobs(db, 1)
+    script = (
+        "import sys, tensorflow\n"
+        "from service.db import Database\n"
+        "from tests.test_claims import claim\n"
+        "got = claim(Database.connect(sys.argv[1]), 'w')\n"
+        "print(got.job_id if got else None)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, db_url], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == str(job_id)
