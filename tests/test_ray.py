@@ -291,7 +291,10 @@ def test_a_job_whose_node_dies_is_requeued_and_resumes_from_the_store(
         wait_until(lambda: finished(ray_api, job_id), 300, "the job to finish elsewhere")
     job = job_of(ray_api, job_id)
     assert job["status"] == "succeeded", job["error"]
-    assert job["attempt"] == 2
+    # Two attempts on a quiet machine; on a loaded one a lease can also run out while Ray
+    # places the second actor, and a third attempt takes over (staging keeps the newer
+    # attempt's folder: test_sandbox). Either way the history below must be exact.
+    assert 2 <= job["attempt"] <= 3
     assert "Ray actor" in job["attempt_errors"][0]["error"]
     assert job["device"]["ray_node_id"] != node_id
     rows = all_history(ray_api, job_id)
