@@ -110,12 +110,12 @@ class JobFiles:
     def for_attempt(storage: Storage, job_id: int, attempt: int, scratch_root: Path) -> JobFiles:
         # One folder per attempt: a killed attempt's leftovers never meet the next one's, and
         # they go now (whoever holds the lease holds the job: an earlier attempt is over).
-        # Only earlier ones: on a scratch disk that hosts share, a stale attempt can start
+        # Not newer ones: on a scratch disk that hosts share, a stale attempt can start
         # after a newer one took the job over, and the newer one's child is writing there.
         jobs = scratch_root / "jobs"
         for folder in jobs.glob(f"{job_id}-*"):
             number = folder.name.removeprefix(f"{job_id}-")
-            if number.isdigit() and int(number) < attempt:
+            if number.isdigit() and int(number) <= attempt:
                 remove_tree(folder)
         scratch = jobs / f"{job_id}-{attempt}"
         scratch.mkdir(parents=True)
