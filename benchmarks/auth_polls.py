@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import httpx
+import results
 import uvicorn
 
 from service import auth, authcache, migrate
@@ -101,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    results.run(main)

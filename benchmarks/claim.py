@@ -35,6 +35,7 @@ from sqlalchemy import func, insert, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results
 from history import fresh_database
 
 from service import fairshare, jobs
@@ -194,4 +195,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    results.run(main)

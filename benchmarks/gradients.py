@@ -71,6 +71,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import keras
+import results
 import tensorflow as tf
 from machine import cpu_model
 from recording_overhead import (
@@ -511,4 +512,4 @@ def _abba(names: list[str], pair: int) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    results.run(main)

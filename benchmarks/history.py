@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import results
 from sqlalchemy import text
 
 from service import auth, jobs, migrate, rollups
@@ -450,4 +451,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    results.run(main)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import results
 from machine import cpu_model
 from storage_and_launch import example_checkpoint, example_spec
 
@@ -286,4 +287,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    results.run(main)

@@ -30,6 +30,7 @@ from pathlib import Path
 from sqlalchemy import select, update
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results
 from history import fresh_database, new_job
 
 from service import joblist
@@ -117,4 +118,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    results.run(main)

@@ -22,6 +22,7 @@ start once every stream is open and answering.
     .venv/bin/python benchmarks/load.py                      # SQLite, 200 pollers, 60 s
     .venv/bin/python benchmarks/load.py --database-url postgresql://root@127.0.0.1:5432/test
     .venv/bin/python benchmarks/load.py --listen --jobs 99   # 200 listening dashboards
+    .venv/bin/python benchmarks/load.py --listen --jobs 99 --log-panel  # each with its log open
 
 The database named by --database-url is wiped (its tables dropped and recreated).
 """
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import results
 
 HALFWAY = str(Path(sys.executable).parent / "halfway")
 LIST_LIMIT = 100  # the dashboard's job list (app.js: jobListLimit)
@@ -232,6 +234,7 @@ local errors = 0
 local etag = ""
 local list_etag = ""
 local list_limit = %(list_limit)d
+local log_offset = ""  -- the open log panel's byte offset (X-Log-Offset); "" before its first read
 local plan = {%(plan)s}  -- what each connection asks for, in turn, once per period
 local threads = {}
 
@@ -250,6 +253,10 @@ function request()
     local headers = {["Authorization"] = token, ["Accept-Encoding"] = "gzip"}
     if list_etag ~= "" then headers["If-None-Match"] = list_etag end
     return wrk.format("GET", "/v1/jobs?limit=" .. list_limit, headers)
+  elseif kind == "log" then
+    -- As panels.js: the last 256 KiB first, then only what was appended since.
+    local query = log_offset == "" and "tail=262144" or ("offset=" .. log_offset)
+    return wrk.format("GET", job_path .. "/logs?" .. query, {["Authorization"] = token})
   end
   return wrk.format("GET", job_path .. "/history?limit=1000&after_step=" .. after,
                     {["Authorization"] = token})
@@ -262,6 +269,7 @@ end
 
 function response(status, headers, body)
   if status >= 400 then errors = errors + 1 return end
+  if headers["x-log-offset"] ~= nil then log_offset = headers["x-log-offset"] return end
   -- uvicorn sends header names in lower case; a history page's ETag starts with "h
   local tag = headers["etag"]
   if status ~= 200 or tag == nil then return end
@@ -300,6 +308,8 @@ def run_wrk(
         plan, period = ["list"], args.list_period
     else:
         plan, period = ["job", "history", *(["list"] if args.jobs else [])], args.period
+    if args.log_panel:  # panels.js reads an open log panel once per poll_ms, as the list
+        plan.append("log")
     script = Path(tempfile.mkdtemp()) / "poll.lua"
     script.write_text(
         WRK_SCRIPT
@@ -505,7 +515,7 @@ async def listening_window(
     started = time.perf_counter()
     polls = (
         asyncio.create_task(asyncio.to_thread(run_wrk, base, token, job_id, args))
-        if args.jobs
+        if args.jobs or args.log_panel
         else None
     )
     loaded = await measure_training(progress, job_id, args.seconds)
@@ -517,7 +527,7 @@ async def listening_window(
         figures = await polls
         stats.requests = int(figures["requests"])
         stats.errors += int(figures["errors"] + figures["socket_errors"])
-        latency["list"] = (figures["p50"], figures["p99"])
+        latency["list and log" if args.log_panel else "list"] = (figures["p50"], figures["p99"])
     # The children reaped since: wrk and the listeners (their whole life, opening included,
     # which is left out: only their CPU since READY counts).
     reaped = generator_seconds(children, time.process_time())
@@ -606,6 +616,8 @@ async def run(
             f"{f' + one job list read ({args.jobs + 1} jobs)' if args.jobs else ''}"
             f" every {args.period:g} s each; "
         )
+    if args.log_panel:
+        dashboards += "each with the job's log panel open (tail, then X-Log-Offset reads); "
     print(
         f"{dashboards}{args.runs} loaded windows of {args.seconds:g} s, each between quiet "
         f"windows of {args.baseline:g} s; {os.cpu_count()} cores"
@@ -689,6 +701,12 @@ def main() -> None:
     parser.add_argument(
         "--no-lean", action="store_true", help="Every poll through FastAPI's routes (to compare)."
     )
+    parser.add_argument(
+        "--log-panel",
+        action="store_true",
+        help="Every dashboard also has the job's log panel open: it reads the log's tail once, "
+        "then what was appended (X-Log-Offset), each poll period (panels.js). Needs wrk.",
+    )
     args = parser.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="halfway-load-"))
@@ -722,4 +740,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    results.run(main)

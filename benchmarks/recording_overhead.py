@@ -52,6 +52,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import numpy as np
+import results
 import tensorflow as tf
 
 from service.normalization import normalize
@@ -433,4 +434,4 @@ def measure(args: argparse.Namespace, home: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    results.run(main)

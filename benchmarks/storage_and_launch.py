@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -220,4 +221,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    results.run(main)
