@@ -18,14 +18,17 @@ import psycopg
 from service.ingest import (
     COPY_ROWS,
     DUMPERS,
-    MERGE_COLUMNS,
-    MERGE_ON_CONFLICT,
-    MERGE_VALUES,
-    array_param,
     block_params,
+    event_params,
+    insert_events,
+    insert_steps,
+    merge_rollups,
+    previous_scale,
+    row_params,
+    scale_changes,
     step_values,
 )
-from service.models import Job, float32
+from service.models import Job
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -71,24 +74,11 @@ _HELD_APPEND_PG = f"""
           AND loss_scale IS NOT DISTINCT FROM %(held_loss_scale)s::float8
         RETURNING cancel_requested, last_step, loss_scale
     ), steps AS (
-        INSERT INTO step (job_id, step, epoch, loss, loss_scale, finite)
-        SELECT %(job_id)s, t.step, t.epoch, NULLIF(t.loss, 'NaN'::real), t.loss_scale, t.finite
-        FROM unnest(%(step)b, %(epoch)b, %(loss)b, %(loss_scale)b, %(finite)b)
-             AS t(step, epoch, loss, loss_scale, finite), lease
+        {insert_steps(", lease")}
     ), events AS (
-        INSERT INTO scale_event (job_id, step, old_scale, new_scale, reason)
-        SELECT %(job_id)s, e.step, e.old_scale, e.new_scale,
-               CASE WHEN e.growth THEN 'growth' ELSE 'overflow' END
-        FROM unnest(%(ev_step)b, %(ev_old)b, %(ev_new)b, %(ev_growth)b)
-             AS e(step, old_scale, new_scale, growth), lease
-        ON CONFLICT (job_id, step) DO UPDATE SET old_scale = excluded.old_scale,
-            new_scale = excluded.new_scale, reason = excluded.reason
+        {insert_events(", lease")}
     ), rollups AS (
-        INSERT INTO step_rollup AS r (job_id, {", ".join(MERGE_COLUMNS)})
-        SELECT %(job_id)s, {MERGE_VALUES}
-        FROM unnest({", ".join(f"%(r_{c})b" for c in MERGE_COLUMNS)})
-             AS b({", ".join(MERGE_COLUMNS)}), lease
-        {MERGE_ON_CONFLICT}
+        {merge_rollups(", lease")}
     )
     SELECT cancel_requested, last_step, loss_scale FROM lease
 """
@@ -204,20 +194,10 @@ def _held_params(
     values = step_values(records)
     if not np.all(np.diff(values[:, 0]) > 0):
         return None
-    scales = values[:, 3]
-    # The scale events (``history.scale_events``): each step whose scale differs from the
-    # step before's; the first step's only when the step before is the held last step.
-    before = np.empty_like(scales)
-    before[1:] = scales[:-1]
-    first = records[0].step
-    if held.last_step is not None and held.last_step == first - 1 and held.loss_scale is not None:
-        before[0] = float32(held.loss_scale)
-        changed = np.flatnonzero(scales != before)
-    else:
-        changed = np.flatnonzero(scales[1:] != before[1:]) + 1
-    old, new = before[changed], scales[changed]
-    growth = ~(new < old)
-    growths = int(np.count_nonzero(growth))
+    previous = previous_scale(held.last_step, held.loss_scale, records[0].step)
+    changes = scale_changes(values, previous)
+    changed, old, new = changes
+    growths = int(np.count_nonzero(~(new < old)))
     backoffs = len(changed) - growths
     overflows = int(len(records) - np.count_nonzero(values[:, 4]))
     last = records[-1]
@@ -231,7 +211,7 @@ def _held_params(
         "j_epoch": last.epoch,
         "j_last_loss": None if math.isnan(last.loss) else last.loss,  # NanAsNullReal
         "j_loss_scale": last.loss_scale,
-        "j_min_loss_scale": float(scales.min()),
+        "j_min_loss_scale": float(values[:, 3].min()),
         "j_steps_per_second": steps_per_second,
         "d_overflow_count": overflows,
         "d_nonfinite_loss_count": int(np.count_nonzero(~np.isfinite(values[:, 2]))),
@@ -240,14 +220,7 @@ def _held_params(
         "d_steps_recorded": len(records),
         "d_overflows_recorded": overflows,
         "d_backoffs_recorded": backoffs,
-        "step": array_param("int4", values[:, 0]),
-        "epoch": array_param("int4", values[:, 1]),
-        "loss": array_param("float4", values[:, 2]),
-        "loss_scale": array_param("float4", scales),
-        "finite": array_param("bool", values[:, 4] != 0),
-        "ev_step": array_param("int4", values[changed, 0]),
-        "ev_old": array_param("float4", old),
-        "ev_new": array_param("float4", new),
-        "ev_growth": array_param("bool", growth),
+        **row_params(values),
+        **event_params(values, changes),
     }
     return params | block_params(values)

@@ -10,21 +10,16 @@ from typing import Any, NamedTuple, Protocol
 
 import psycopg
 from sqlalchemy import (
-    REAL,
-    Boolean,
     ColumnElement,
-    Integer,
-    bindparam,
     delete,
     func,
     or_,
     select,
     text,
 )
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
-from service import gradients, ingest
+from service import epochmetrics, gradients, ingest
 from service.db import upsert
 from service.models import FLOAT32_MAX, Job, ScaleEvent, Step, StepRollup
 from service.rollups import (
@@ -41,84 +36,41 @@ class StepRecord(NamedTuple):
     finite: bool
 
 
-# PostgreSQL: a batch in one statement, its columns as five array parameters. executemany,
-# even pipelined, spends most of its time per row in the driver (18k rows/s here); this is one
-# round trip and one plan for the whole batch.
-#
-# DO NOTHING rather than DO UPDATE (which doubles PostgreSQL's cost per row): a step is only
-# ever written again with the same values. A resumed attempt re-runs steps only after
-# truncate_after deleted them, a worker that lost its lease writes nothing (the write is
-# fenced), so a conflict can only be a batch resent after a commit whose acknowledgement was
-# lost, and that batch is the one already stored.
-_INSERT_STEPS_PG = text(
-    """
-    INSERT INTO step (job_id, step, epoch, loss, loss_scale, finite)
-    SELECT :job_id, t.step, t.epoch, t.loss, t.loss_scale, t.finite
-    FROM unnest(:steps, :epochs, :losses, :scales, :finite)
-         AS t(step, epoch, loss, loss_scale, finite)
-    ON CONFLICT (job_id, step) DO NOTHING
-    """
-).bindparams(
-    bindparam("steps", type_=postgresql.ARRAY(Integer)),
-    bindparam("epochs", type_=postgresql.ARRAY(Integer)),
-    bindparam("losses", type_=postgresql.ARRAY(REAL)),
-    bindparam("scales", type_=postgresql.ARRAY(REAL)),
-    bindparam("finite", type_=postgresql.ARRAY(Boolean)),
-)
-
-
-_COPY_STEPS = "COPY step (job_id, step, epoch, loss, loss_scale, finite) FROM STDIN (FORMAT BINARY)"
-
-
 def _insert_steps_pg(session: Session, job_id: int, records: Sequence[StepRecord]) -> None:
     """Binary COPY: the fastest way into PostgreSQL (800k rows/s here into the step table,
-    which has no foreign key for this reason, against 88k for the statement below). COPY
-    cannot skip conflicts, so it runs in a savepoint, and a batch that meets one (resent after
-    a lost acknowledgement) takes the INSERT ... DO NOTHING path."""
+    which has no foreign key for this reason, against 88k for one INSERT of arrays). A batch
+    that meets a stored row (resent after a lost acknowledgement) stores only its new rows.
+
+    Not DO UPDATE (which doubles PostgreSQL's cost per row): a step is only ever written
+    again with the same values. A resumed attempt re-runs steps only after truncate_after
+    deleted them, a worker that lost its lease writes nothing (the write is fenced), so a
+    conflict can only be a batch resent after a commit whose acknowledgement was lost, and
+    that batch is the one already stored."""
     raw = session.connection().connection.driver_connection
     assert isinstance(raw, psycopg.Connection)
-    try:
-        with raw.transaction(), raw.cursor() as cursor, cursor.copy(_COPY_STEPS) as copy:
-            copy.set_types(["int4", "int4", "int4", "float4", "float4", "bool"])
-            for r in records:
-                loss = None if math.isnan(r.loss) else r.loss  # NaN is stored as NULL
-                copy.write_row((job_id, r.step, r.epoch, loss, r.loss_scale, r.finite))
-        return
-    except psycopg.errors.UniqueViolation:
-        pass  # the savepoint is rolled back; nothing of this batch was stored
-    session.execute(
-        _INSERT_STEPS_PG,
-        {
-            "job_id": job_id,
-            "steps": [r.step for r in records],
-            "epochs": [r.epoch for r in records],
-            # NaN is stored as NULL (NanAsNullReal), on this path too.
-            "losses": [None if math.isnan(r.loss) else r.loss for r in records],
-            "scales": [r.loss_scale for r in records],
-            "finite": [r.finite for r in records],
-        },
-    )
+    values = ingest.step_values(records)
+    if not ingest.copy_steps(raw, job_id, values):
+        ingest.insert_new_steps(raw, job_id, values)
 
 
 def scale_events(
     records: Sequence[StepRecord], previous_scale: float | None
 ) -> list[dict[str, Any]]:
-    """Each change of the scale between consecutive steps: a fall follows an overflow, a rise
-    is growth. ``previous_scale`` is the scale of the step before ``records[0]``."""
-    events = []
-    prev = previous_scale
-    for r in records:
-        if prev is not None and r.loss_scale != prev:
-            events.append(
-                {
-                    "step": r.step,
-                    "old_scale": prev,
-                    "new_scale": r.loss_scale,
-                    "reason": "overflow" if r.loss_scale < prev else "growth",
-                }
-            )
-        prev = r.loss_scale
-    return events
+    """Each change of the scale between consecutive steps (``ingest.scale_changes``, the one
+    rule), as rows. ``previous_scale`` is the scale of the step before ``records[0]``."""
+    if not records:
+        return []
+    values = ingest.step_values(records)
+    changed, old, new = ingest.scale_changes(values, previous_scale)
+    return [
+        {
+            "step": int(values[i, 0]),
+            "old_scale": float(o),
+            "new_scale": float(n),
+            "reason": "overflow" if n < o else "growth",
+        }
+        for i, o, n in zip(changed.tolist(), old.tolist(), new.tolist(), strict=True)
+    ]
 
 
 def write_steps(
@@ -143,9 +95,10 @@ def write_steps(
     if steps_per_second is not None:
         touched["steps_per_second"] = steps_per_second
     if ingest.appends(session, job, records):
-        events = scale_events(records, ingest.previous_scale(job, records[0].step))
+        first = records[0].step
+        events = scale_events(records, ingest.previous_scale(job.last_step, job.loss_scale, first))
         summary = _summary_after(job, records, events) | touched
-        if ingest.append_pg(session, job, records, events, summary, durable=durable):
+        if ingest.append_pg(session, job, records, summary, durable=durable):
             return
     if not durable:
         relax_commit(session)
@@ -229,12 +182,16 @@ def relax_commit(session: Session) -> None:
 
 def truncate_after(session: Session, job: Job, step: int) -> None:
     """Forget history from ``step`` on (a resumed attempt re-runs those steps), its gradient
-    samples with it, and recompute the summaries from what remains, so they match the rows
-    exactly. When rows of either were forgotten, the job's ``history_version`` moves on, so
-    that clients drop what they read from there. The caller writes the attempt's new rows
+    samples and the metrics of the epoch holding ``step`` and of later ones with it, and
+    recompute the summaries from what remains, so they match the rows exactly. When steps or
+    samples were forgotten, the job's ``history_version`` moves on, so that clients drop what
+    they read from there. The caller writes the attempt's new rows
     after this, in the same transaction."""
     forgotten = session.execute(delete(Step).where(Step.job_id == job.id, Step.step >= step))
     samples_forgotten = gradients.truncate_samples(session, job, step)
+    # No version of their own: an epoch's metrics are written after its last step, so any
+    # forgotten here went with steps forgotten above.
+    epochmetrics.truncate_epochs(session, job, step)
     if forgotten.rowcount or samples_forgotten:  # type: ignore[attr-defined]
         job.history_version += 1
         job.history_reset_step = step

@@ -96,13 +96,43 @@ MERGE_ON_CONFLICT = """ON CONFLICT (job_id, level, block) DO UPDATE SET
 MERGE_VALUES = ", ".join(
     f"NULLIF(b.{c}, 'NaN'::real)" if c in _FLOAT_COLUMNS else f"b.{c}" for c in MERGE_COLUMNS
 )
-_ROWS_PG = """
-    steps AS (
-        INSERT INTO step (job_id, step, epoch, loss, loss_scale, finite)
+# The statement parts every PostgreSQL path shares. ``source`` joins each to what gates it
+# (the append's ``whole``, the held flush's ``lease``) or is empty.
+
+
+def insert_steps(source: str = "") -> str:
+    """INSERT the batch's rows, sent as five binary arrays (``array_param``)."""
+    return f"""INSERT INTO step (job_id, step, epoch, loss, loss_scale, finite)
         SELECT %(job_id)s, t.step, t.epoch, NULLIF(t.loss, 'NaN'::real), t.loss_scale, t.finite
         FROM unnest(%(step)b, %(epoch)b, %(loss)b, %(loss_scale)b, %(finite)b)
-             AS t(step, epoch, loss, loss_scale, finite)
-        ON CONFLICT (job_id, step) DO NOTHING
+             AS t(step, epoch, loss, loss_scale, finite){source}"""
+
+
+def insert_events(source: str) -> str:
+    """INSERT the batch's scale events (``scale_changes``), four binary arrays."""
+    return f"""INSERT INTO scale_event (job_id, step, old_scale, new_scale, reason)
+        SELECT %(job_id)s, e.step, e.old_scale, e.new_scale,
+               CASE WHEN e.growth THEN 'growth' ELSE 'overflow' END
+        FROM unnest(%(ev_step)b, %(ev_old)b, %(ev_new)b, %(ev_growth)b)
+             AS e(step, old_scale, new_scale, growth){source}
+        ON CONFLICT (job_id, step) DO UPDATE SET old_scale = excluded.old_scale,
+            new_scale = excluded.new_scale, reason = excluded.reason"""
+
+
+def merge_rollups(source: str) -> str:
+    """Merge the batch's block summaries (``block_params``) into the stored ones."""
+    return f"""INSERT INTO step_rollup AS r (job_id, {", ".join(MERGE_COLUMNS)})
+        SELECT %(job_id)s, {MERGE_VALUES}
+        FROM unnest({", ".join(f"%(r_{c})b" for c in MERGE_COLUMNS)})
+             AS b({", ".join(MERGE_COLUMNS)}){source}
+        {MERGE_ON_CONFLICT}"""
+
+
+# Only rows not stored yet; ``whole`` says whether that was every row of the batch.
+INSERT_NEW_STEPS = insert_steps() + " ON CONFLICT (job_id, step) DO NOTHING"
+_ROWS_PG = f"""
+    steps AS (
+        {INSERT_NEW_STEPS}
         RETURNING 1
     ), whole AS (
         SELECT count(*) = %(rows)s AS ok FROM steps
@@ -110,21 +140,9 @@ _ROWS_PG = """
 """
 _SUMMARIES_PG = f"""
     events AS (
-        INSERT INTO scale_event (job_id, step, old_scale, new_scale, reason)
-        SELECT %(job_id)s, e.step, e.old_scale, e.new_scale,
-               CASE WHEN e.growth THEN 'growth' ELSE 'overflow' END
-        FROM unnest(%(ev_step)b, %(ev_old)b, %(ev_new)b, %(ev_growth)b)
-             AS e(step, old_scale, new_scale, growth), whole
-        WHERE whole.ok
-        ON CONFLICT (job_id, step) DO UPDATE SET old_scale = excluded.old_scale,
-            new_scale = excluded.new_scale, reason = excluded.reason
+        {insert_events(", whole WHERE whole.ok")}
     ), rollups AS (
-        INSERT INTO step_rollup AS r (job_id, {", ".join(MERGE_COLUMNS)})
-        SELECT %(job_id)s, {MERGE_VALUES}
-        FROM unnest({", ".join(f"%(r_{c})b" for c in MERGE_COLUMNS)})
-             AS b({", ".join(MERGE_COLUMNS)}), whole
-        WHERE whole.ok
-        {MERGE_ON_CONFLICT}
+        {merge_rollups(", whole WHERE whole.ok")}
     )
     UPDATE job SET {", ".join(f"{c} = %(j_{c})s" for c in _SUMMARY_COLUMNS)}
     FROM whole, (SELECT set_config('synchronous_commit', %(synchronous_commit)s, true)) AS cfg
@@ -137,7 +155,7 @@ _SUMMARIES_PG = f"""
 # by COPY (``COPY_ROWS``).
 _APPEND_PG = "WITH" + _ROWS_PG + _SUMMARIES_PG
 _MERGE_PG = "WITH whole AS (SELECT true AS ok)," + _SUMMARIES_PG
-_COPY_STEPS = "COPY step (job_id, step, epoch, loss, loss_scale, finite) FROM STDIN (FORMAT BINARY)"
+COPY_STEPS = "COPY step (job_id, step, epoch, loss, loss_scale, finite) FROM STDIN (FORMAT BINARY)"
 # From this many rows a batch goes in by binary COPY (PostgreSQL's multi-row insert) in a
 # savepoint, before the statement: three more round trips, less work per row (at 10,000 rows
 # 1.6x the steps/s of the INSERT; at 333 the two were within noise of each other).
@@ -194,6 +212,66 @@ def _copy_payload(job_id: int, values: Any) -> bytes:
         start = i + 1
     parts += [rows[start:].tobytes(), _COPY_TRAILER]
     return b"".join(parts)
+
+
+def copy_steps(raw: psycopg.Connection[Any], job_id: int, values: Any) -> bool:
+    """The batch (``step_values``) into the step table by binary COPY, in a savepoint: COPY
+    cannot skip conflicts, so a batch that meets a stored row stores nothing and this
+    returns False (the savepoint is rolled back)."""
+    try:
+        with raw.transaction(), raw.cursor() as cursor, cursor.copy(COPY_STEPS) as copy:
+            copy.write(_copy_payload(job_id, values))
+    except psycopg.errors.UniqueViolation:
+        return False
+    return True
+
+
+def insert_new_steps(raw: psycopg.Connection[Any], job_id: int, values: Any) -> None:
+    """The batch's rows not stored yet, in one statement (for a batch COPY refused)."""
+    with raw.cursor() as cursor:
+        for cls, dumper in DUMPERS:
+            cursor.adapters.register_dumper(cls, dumper)
+        cursor.execute(INSERT_NEW_STEPS, {"job_id": job_id, **row_params(values)})
+
+
+def row_params(values: Any) -> dict[str, bytes]:
+    """The batch's columns as the binary arrays ``insert_steps`` reads."""
+    return {
+        "step": array_param("int4", values[:, 0]),
+        "epoch": array_param("int4", values[:, 1]),
+        "loss": array_param("float4", values[:, 2]),
+        "loss_scale": array_param("float4", values[:, 3]),
+        "finite": array_param("bool", values[:, 4] != 0),
+    }
+
+
+def scale_changes(values: Any, previous: float | None) -> tuple[Any, Any, Any]:
+    """The one rule of scale events: each step whose scale differs from the step before's
+    (a fall follows an overflow, a rise is growth). ``values`` is the batch
+    (``step_values``); ``previous`` the scale of the step before its first, or None when
+    that is unknown (then the first step starts no event). Returns the changed rows'
+    indexes, their old scales and their new ones."""
+    scales = values[:, 3]
+    before = np.empty_like(scales)
+    before[1:] = scales[:-1]
+    if previous is not None:
+        before[0] = previous
+        changed = np.flatnonzero(scales != before)
+    else:
+        changed = np.flatnonzero(scales[1:] != before[1:]) + 1
+    return changed, before[changed], scales[changed]
+
+
+def event_params(values: Any, changes: tuple[Any, Any, Any]) -> dict[str, bytes]:
+    """The batch's scale events (``scale_changes(values, ...)``) as the binary arrays
+    ``insert_events`` reads."""
+    changed, old, new = changes
+    return {
+        "ev_step": array_param("int4", values[changed, 0]),
+        "ev_old": array_param("float4", old),
+        "ev_new": array_param("float4", new),
+        "ev_growth": array_param("bool", ~(new < old)),
+    }
 
 
 class _BinaryArray(Dumper):
@@ -306,19 +384,19 @@ def block_params(values: Any) -> dict[str, bytes]:
     }
 
 
-def previous_scale(job: Job, first: int) -> float | None:
-    """The scale of step ``first - 1`` on the append path: the summary's (as the step table
-    holds it, a float32), or None when that step was never written."""
-    if job.last_step is None or job.last_step != first - 1 or job.loss_scale is None:
+def previous_scale(last_step: int | None, loss_scale: float | None, first: int) -> float | None:
+    """The scale of step ``first - 1`` on an append path, from the summary a writer holds
+    (as the step table holds it, a float32): None when that step is not the last one
+    written."""
+    if last_step is None or last_step != first - 1 or loss_scale is None:
         return None
-    return float32(job.loss_scale)
+    return float32(loss_scale)
 
 
 def append_pg(
     session: Session,
     job: Job,
     records: Sequence[StepRecord],
-    events: list[dict[str, Any]],
     summary: dict[str, Any],
     *,
     durable: bool = True,
@@ -332,33 +410,18 @@ def append_pg(
     copied = len(records) >= COPY_ROWS
     params: dict[str, Any] = {"job_id": job.id, "synchronous_commit": "on" if durable else "off"}
     if not copied:
-        params |= {
-            "rows": len(records),
-            "step": array_param("int4", values[:, 0]),
-            "epoch": array_param("int4", values[:, 1]),
-            "loss": array_param("float4", values[:, 2]),
-            "loss_scale": array_param("float4", values[:, 3]),
-            "finite": array_param("bool", values[:, 4] != 0),
-        }
-    params |= {
-        "ev_step": array_param("int4", [e["step"] for e in events]),
-        "ev_old": array_param("float4", [e["old_scale"] for e in events]),
-        "ev_new": array_param("float4", [e["new_scale"] for e in events]),
-        "ev_growth": array_param("bool", [e["reason"] == "growth" for e in events]),
-    }
+        params |= {"rows": len(records), **row_params(values)}
+    previous = previous_scale(job.last_step, job.loss_scale, records[0].step)
+    params |= event_params(values, scale_changes(values, previous))
     params |= block_params(values)
     params |= {f"j_{c}": summary.get(c, getattr(job, c)) for c in _SUMMARY_COLUMNS}
     if params["j_last_loss"] is not None and math.isnan(params["j_last_loss"]):
         params["j_last_loss"] = None  # NanAsNullReal
     raw = session.connection().connection.driver_connection
     assert isinstance(raw, psycopg.Connection)
+    if copied and not copy_steps(raw, job.id, values):
+        return False  # nothing of the batch is stored
     with raw.cursor() as cursor:
-        if copied:
-            try:
-                with raw.transaction(), cursor.copy(_COPY_STEPS) as copy:
-                    copy.write(_copy_payload(job.id, values))
-            except psycopg.errors.UniqueViolation:
-                return False  # the savepoint is rolled back: nothing of the batch is stored
         for cls, dumper in DUMPERS:
             cursor.adapters.register_dumper(cls, dumper)
         cursor.execute(_MERGE_PG if copied else _APPEND_PG, params)

@@ -17,19 +17,68 @@ from sqlalchemy import select
 
 from service import history, rollups
 from service.db import Database
+from service.heldflush import Held, HeldAppender
 from service.history import StepRecord
-from service.models import Job, ScaleEvent, StepRollup
+from service.models import Job, ScaleEvent, StepRollup, utcnow
 from service.rollups import LEVEL_BLOCKS
 from tests.conftest import Api
 from tests.test_history_queries import brute_force, check_buckets, submit, synthetic_history, write
 
+WORKER = "property-worker"
 
-def new_job(db: Database) -> int:
+
+def new_job(db: Database, worker_id: str | None = None) -> int:
+    """A job to write history into; with ``worker_id``, running and held by that worker (as
+    the held flush's fence requires)."""
     with db.write() as s:
         job = Job(owner="alice", name="resume", spec={})
+        if worker_id is not None:
+            job.status, job.worker_id = "running", worker_id
         s.add(job)
         s.flush()
         return job.id
+
+
+def held_write(
+    db: Database,
+    appender: HeldAppender | None,
+    job_id: int,
+    records: list[StepRecord],
+    held: Held | None,
+) -> Held:
+    """Write ``records`` as the supervisor's flush does, in batches under ``COPY_ROWS``: by
+    the one-statement held flush when it takes a batch, else by the general path, whose
+    result is where the next held flush starts. Returns where the history ends now."""
+    for i in range(0, len(records), 997):
+        batch = records[i : i + 997]
+        written = None
+        if appender is not None and held is not None:
+            with db.read() as s:
+                job = s.get(Job, job_id)
+                assert job is not None
+                actual = Held.of(job)
+            written = appender.append(
+                job_id=job_id,
+                worker_id=WORKER,
+                lease_seconds=60,
+                held=held,
+                records=batch,
+                steps_per_second=None,
+                durable=True,
+            )
+            # The held flush takes a batch that appends where the history really ends, and
+            # refuses one whose writer believes it ends elsewhere (a cut since).
+            assert (written is not None) == (actual == held), (held, actual)
+        if written is not None:
+            held = written.held
+            continue
+        with db.write() as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            history.write_steps(s, job, batch, now=utcnow())
+            held = Held.of(job)
+    assert held is not None
+    return held
 
 
 def truncate(db: Database, job_id: int, step: int) -> None:
@@ -87,13 +136,18 @@ def check_derived(db: Database, job_id: int, records: list[StepRecord]) -> None:
     check_rollups(db, job_id, records)
     ordered = sorted(records, key=lambda r: r.step)
     events = [
-        (b.step, a.loss_scale, b.loss_scale)
+        (
+            b.step,
+            a.loss_scale,
+            b.loss_scale,
+            "overflow" if b.loss_scale < a.loss_scale else "growth",
+        )
         for a, b in itertools.pairwise(ordered)
         if b.step == a.step + 1 and a.loss_scale != b.loss_scale
     ]
     with db.read() as s:
         stored = [
-            (e.step, e.old_scale, e.new_scale)
+            (e.step, e.old_scale, e.new_scale, e.reason)
             for e in s.scalars(
                 select(ScaleEvent).filter_by(job_id=job_id).order_by(ScaleEvent.step)
             )
@@ -105,6 +159,8 @@ def check_derived(db: Database, job_id: int, records: list[StepRecord]) -> None:
         assert job.overflow_count == sum(1 for r in ordered if not r.finite)
         assert job.nonfinite_loss_count == sum(1 for r in ordered if not math.isfinite(r.loss))
         assert job.min_loss_scale == (min(r.loss_scale for r in ordered) if ordered else None)
+        assert job.growth_count == sum(1 for e in events if e[3] == "growth")
+        assert job.backoff_count == sum(1 for e in events if e[3] == "overflow")
 
 
 # A cut on a block boundary of each level, and one inside a block of each level, each with
@@ -159,6 +215,10 @@ def test_a_cut_at_step_zero_forgets_everything(api: Api, db: Database) -> None:
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("write"), st.integers(1, 9000)),
+        # As a running job's supervisor writes: the one-statement held flush where it can
+        # take the batch (PostgreSQL, appending where it last left the history), else the
+        # general path, as workers/flush.py does.
+        st.tuples(st.just("held_write"), st.integers(1, 3000)),
         st.tuples(st.just("rewrite"), st.floats(0, 1), st.integers(1, 500)),
         st.tuples(st.just("truncate"), st.floats(0, 1.2)),
         # A cut on a block boundary, where the old code went wrong.
@@ -179,13 +239,19 @@ ops = st.lists(
 def test_random_writes_and_cuts_keep_rollups_equal_to_brute_force(
     db: Database, ops: list[tuple[Any, ...]], seed: int
 ) -> None:
-    job_id = new_job(db)
+    job_id = new_job(db, worker_id=WORKER)
+    appender = HeldAppender(db.engine, "property") if db.dialect == "postgresql" else None
+    held: Held | None = None  # where the supervisor last left the history, as it believes
     rows: dict[int, StepRecord] = {}
     end = 0  # the next step a write appends
     for n, op in enumerate(ops):
-        if op[0] == "write":
+        if op[0] in ("write", "held_write"):
             batch = synthetic_history(op[1], seed=seed + n, start=end)
-            write(db, job_id, batch, batch=2500)
+            if op[0] == "write":
+                write(db, job_id, batch, batch=2500)
+                held = None
+            else:
+                held = held_write(db, appender, job_id, batch, held)
             rows |= {r.step: r for r in batch}
             end += op[1]
         elif op[0] == "rewrite" and rows:
@@ -206,6 +272,8 @@ def test_random_writes_and_cuts_keep_rollups_equal_to_brute_force(
             end = min(end, cut)
         # After every operation, not only at the end: a later write may hide a stale block.
         check_derived(db, job_id, [rows[s] for s in sorted(rows)])
+    if appender is not None:
+        appender.close()
     kept = [rows[s] for s in sorted(rows)]
     with db.read() as s:
         span = history.step_range(s, job_id)
