@@ -1,25 +1,21 @@
-"""A worker process whose clock is off by ``SKEW`` seconds: every time Halfway's code reads
-the wall clock (``service.models.utcnow``) is shifted, as on a host whose clock has drifted.
-Runs the supervisor with the fake trainer until SIGTERM.
+"""A worker process for tests/test_clock_skew.py: the supervisor with the fake trainer, until
+SIGTERM. Its clock is shifted from outside, at the process level (tests/clockshift.c through
+LD_PRELOAD), as on a host whose clock has drifted; it first prints the wall clock it sees, so
+the test can check the shift took.
 
-    python -m tests.skewed_worker SKEW WORKER_ID
+    python -m tests.skewed_worker WORKER_ID
 """
 
 from __future__ import annotations
 
 import signal
 import sys
-from datetime import timedelta
-
-import service.models
+import time
 
 
 def main() -> None:
-    skew, worker_id = float(sys.argv[1]), sys.argv[2]
-    honest = service.models.utcnow
-    # Patched before anything else imports it, so every `from service.models import utcnow`
-    # (the supervisor's default clock among them) gets the skewed one.
-    service.models.utcnow = lambda: honest() + timedelta(seconds=skew)
+    worker_id = sys.argv[1]
+    print(f"wall clock: {time.time():.3f}", flush=True)
 
     from service.db import Database
     from service.logs import configure

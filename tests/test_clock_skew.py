@@ -2,7 +2,9 @@
 off (ahead or behind). Leases are written and compared on the database's clock, so the
 skewed worker neither steals a live lease (clock ahead: every lease looks expired to it) nor
 writes leases that others see as already expired (clock behind). Real processes, both
-databases."""
+databases. The skew is the whole process's: every wall-clock read in it, Python's or a C
+library's, is shifted (tests/clockshift.c, built here with gcc and loaded by LD_PRELOAD), so
+any code that compares a lease with the host's clock fails this test."""
 
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import create_engine, make_url, select, text
 
 from service import jobs
-from service.db import Database
+from service.db import Database, normalize_url
 from service.models import Job, Step, utcnow
 from service.settings import Settings
+from tests.conftest import TABLES
 from tests.test_supervisor import load, make_job
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,12 +31,14 @@ SKEW = 600.0
 
 
 class Workers:
-    def __init__(self, settings: Settings, log: Path) -> None:
-        self.settings, self.log = settings, log
+    def __init__(self, settings: Settings, log: Path, shift: Path) -> None:
+        self.settings, self.log, self.shift = settings, log, shift
         self.processes: list[subprocess.Popen[bytes]] = []
 
     def start(self, worker_id: str, skew: float) -> None:
+        shifted = {"LD_PRELOAD": str(self.shift), "HALFWAY_CLOCK_SKEW": str(int(skew))}
         env = {
+            **(shifted if skew else {}),
             **os.environ,
             "PYTHONPATH": str(ROOT),
             "HALFWAY_HOME": str(self.settings.home),
@@ -44,7 +49,7 @@ class Workers:
         }
         self.processes.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tests.skewed_worker", str(skew), worker_id],
+                [sys.executable, "-m", "tests.skewed_worker", worker_id],
                 env=env,
                 stdout=self.log.open("ab"),
                 stderr=subprocess.STDOUT,
@@ -63,10 +68,66 @@ class Workers:
 
 
 @pytest.fixture
-def workers(settings: Settings, tmp_path: Path) -> Iterator[Workers]:
-    pool = Workers(settings, tmp_path / "workers.log")
+def db_url(pg_database: str) -> str:
+    """PostgreSQL only. A skew is between hosts, and hosts share a database only on
+    PostgreSQL: SQLite's clock is the host's (service/dbclock.py), read in each process, so
+    a process whose clock is shifted shifts its SQLite clock along with it."""
+    engine = create_engine(normalize_url(pg_database))
+    with engine.begin() as conn:
+        conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
+    engine.dispose()
+    return pg_database
+
+
+@pytest.fixture(scope="module")
+def clock_shift(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/clockshift.c built into a shared library to preload."""
+    out = tmp_path_factory.mktemp("clockshift") / "clockshift.so"
+    source = ROOT / "tests" / "clockshift.c"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", out, source, "-ldl"], check=True)
+    return out
+
+
+@pytest.fixture
+def workers(settings: Settings, tmp_path: Path, clock_shift: Path) -> Iterator[Workers]:
+    pool = Workers(settings, tmp_path / "workers.log", clock_shift)
     yield pool
     pool.stop()
+
+
+def wall_clocks(log: Path) -> list[float]:
+    """The wall clocks the workers printed on start, in order."""
+    return [
+        float(line.split()[-1])
+        for line in log.read_text().splitlines()
+        if line.startswith("wall clock: ")
+    ]
+
+
+@pytest.mark.parametrize("skew", [SKEW, -SKEW], ids=["ahead", "behind"])
+def test_the_skewed_process_sees_its_clock_off_and_the_database_does_not(
+    settings: Settings, tmp_path: Path, clock_shift: Path, skew: float
+) -> None:
+    """The shift reaches the whole process: Python's clock and a C library's (libpq's
+    connection, asked for the database's now(), is unaffected)."""
+    env = {**os.environ, "LD_PRELOAD": str(clock_shift), "HALFWAY_CLOCK_SKEW": str(int(skew))}
+    script = (
+        "import time, datetime, psycopg, sys;"
+        "c = psycopg.connect(sys.argv[1]);"
+        "print(time.time(), datetime.datetime.now(datetime.UTC).timestamp(),"
+        " c.execute('SELECT now()').fetchone()[0].timestamp())"
+    )
+    parsed = make_url(normalize_url(settings.resolved_database_url()))
+    url = parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+    before = time.time()
+    out = subprocess.run(
+        [sys.executable, "-c", script, url], env=env, capture_output=True, text=True, check=True
+    )
+    after = time.time()
+    python_clock, datetime_clock, database_clock = map(float, out.stdout.split())
+    for shifted in (python_clock, datetime_clock):
+        assert before + skew - 1 <= shifted <= after + skew + 1
+    assert before - 5 <= database_clock <= after + 5
 
 
 def wait_for(predicate: Any, what: str, log: Path, timeout: float = 60) -> None:
@@ -86,6 +147,7 @@ def test_a_worker_whose_clock_is_ten_minutes_off_neither_steals_nor_loses_a_leas
     # its lease might look expired to the honest worker that comes second.
     holder, latecomer = ("honest", "skewed") if skew > 0 else ("skewed", "honest")
     held = make_job(db, {"mode": "slow", "steps": 100_000, "interval": 0.01})
+    started = time.time()
     workers.start(holder, 0.0 if holder == "honest" else skew)
     wait_for(lambda: load(db, held).last_step is not None, "the first job to train", workers.log)
     assert load(db, held).worker_id == holder
@@ -95,6 +157,9 @@ def test_a_worker_whose_clock_is_ten_minutes_off_neither_steals_nor_loses_a_leas
     workers.start(latecomer, 0.0 if latecomer == "honest" else skew)
     wait_for(lambda: load(db, other).status == "succeeded", "the second job", workers.log)
     assert load(db, other).worker_id == latecomer
+    # Each worker saw its own clock: the skewed one off by the skew, the honest one not.
+    clocks = dict(zip((holder, latecomer), wall_clocks(workers.log), strict=True))
+    assert abs(clocks["skewed"] - started - skew) < 60 and abs(clocks["honest"] - started) < 60
 
     # The held job kept its one owner and attempt while the latecomer was claiming; a few
     # more renewals show the holder still has it.
