@@ -87,10 +87,6 @@ def sqlite_begin_immediate(engine: Engine) -> Engine:
     return engine.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
 
 
-def is_sqlite(engine: Engine) -> bool:
-    return engine.dialect.name == "sqlite"
-
-
 @dataclass(frozen=True)
 class Database:
     """The engine and two session factories: plain (reads), and write (BEGIN IMMEDIATE on

@@ -106,14 +106,14 @@ def test_renewal_is_fenced_to_the_lease_holder(db: Database) -> None:
     (job_id,) = make_jobs(db, 1)
     claim(db, "w1")
     with db.write() as s:
-        renewal = jobs.renew_lease(s, job_id=job_id, worker_id="w1", lease_seconds=30)
-        assert renewal is not None and renewal.cancel_requested is False
-        assert jobs.renew_lease(s, job_id=job_id, worker_id="w2", lease_seconds=30) is None
+        renewed = jobs.renew_and_load(s, job_id=job_id, worker_id="w1", lease_seconds=30)
+        assert renewed is not None and renewed.cancel_requested is False
+        assert jobs.renew_and_load(s, job_id=job_id, worker_id="w2", lease_seconds=30) is None
     # w1 vanished; w2 reclaims; w1's late renewal, attempt error and finish are refused.
     age_lease(db, job_id, 40)
     assert claim(db, "w2") is not None
     with db.write() as s:
-        assert jobs.renew_lease(s, job_id=job_id, worker_id="w1", lease_seconds=30) is None
+        assert jobs.renew_and_load(s, job_id=job_id, worker_id="w1", lease_seconds=30) is None
         assert not jobs.record_attempt_error(
             s, job_id=job_id, worker_id="w1", attempt=1, error="late"
         )
@@ -131,8 +131,8 @@ def test_renewal_reports_a_cancel_request(db: Database) -> None:
     with db.write() as s:
         jobs.request_cancel(s, job_id, utcnow())
     with db.write() as s:
-        renewal = jobs.renew_lease(s, job_id=job_id, worker_id="w1", lease_seconds=30)
-        assert renewal is not None and renewal.cancel_requested is True
+        renewed = jobs.renew_and_load(s, job_id=job_id, worker_id="w1", lease_seconds=30)
+        assert renewed is not None and renewed.cancel_requested is True
 
 
 def test_abandoned_jobs_out_of_attempts_fail_and_cancelled_ones_end_cancelled(db: Database) -> None:
