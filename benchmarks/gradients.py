@@ -91,7 +91,8 @@ from workers.context import RunContext
 from workers.feed import epoch_dataset
 from workers.guards import Guards
 from workers.protocol import Message
-from workers.training import DEFAULT_STEPS_PER_EXECUTION, build_trainer, train
+from workers.trainer import DEFAULT_STEPS_PER_EXECUTION, build_trainer
+from workers.training import train
 
 TARGET_DEFAULTS = 1.03
 NEVER = 10**9

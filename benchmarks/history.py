@@ -51,8 +51,8 @@ from sqlalchemy import text
 
 from service import auth, jobs, migrate, rollups
 from service.db import Database
-from service.history import StepRecord
 from service.models import utcnow
+from service.records import StepRecord
 from service.schemas import JobSpec, SubmitResult
 from service.settings import Settings
 from workers.attempt import Attempt

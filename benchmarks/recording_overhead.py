@@ -5,7 +5,7 @@ data), four ways, in one process:
 
   halfway@S    HalfwayTrainer + HalfwayLossScaleOptimizer + StepRecorder, fit once per epoch
                with StepStream draining, guarding and sending records once per execution
-               (train()'s own objects, from workers.training.build_trainer)
+               (train()'s own objects, from workers.trainer.build_trainer)
   keras@S      the same model under stock Keras: compile() wraps Adam in its own
                LossScaleOptimizer; same data pipeline, same per-epoch fit loop, no recording
   halfway      Halfway's defaults: its default steps_per_execution and the spec's default
@@ -67,7 +67,7 @@ from workers.guards import Guards
 from workers.protocol import Message
 from workers.recording import StepRecorder
 from workers.stream import StepStream
-from workers.training import DEFAULT_STEPS_PER_EXECUTION, build_trainer
+from workers.trainer import DEFAULT_STEPS_PER_EXECUTION, build_trainer
 
 BATCH = 128
 TARGET_SAME_SPE = 1.03

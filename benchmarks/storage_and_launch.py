@@ -75,7 +75,7 @@ def example_spec(tmp: Path) -> dict[str, Any]:
 def example_checkpoint(tmp: Path) -> Path:
     """The example model's checkpoint as the training child writes it."""
     from workers.checkpointer import Checkpointer
-    from workers.training import build_trainer
+    from workers.trainer import build_trainer
 
     spec = example_spec(tmp)
     built = build_trainer(spec, (784,), 10, 64)

@@ -33,7 +33,7 @@ from service.models import Job
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from service.history import StepRecord
+    from service.records import StepRecord
 
 # The worker's flush in one statement: the fenced lease renewal, the rows, the rollups, the
 # scale events and the summary, run on a connection of the worker's own in autocommit (so the

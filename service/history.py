@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import psycopg
 from sqlalchemy import (
@@ -22,18 +22,11 @@ from sqlalchemy.orm import Session
 from service import epochmetrics, gradients, ingest
 from service.db import upsert
 from service.models import FLOAT32_MAX, Job, ScaleEvent, Step, StepRollup
+from service.records import StepRecord
 from service.rollups import (
     LEVEL_BLOCKS,
     refresh_rollups,
 )
-
-
-class StepRecord(NamedTuple):
-    step: int
-    epoch: int
-    loss: float
-    loss_scale: float
-    finite: bool
 
 
 def _insert_steps_pg(session: Session, job_id: int, records: Sequence[StepRecord]) -> None:

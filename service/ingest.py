@@ -37,7 +37,7 @@ from service.rollups import LEVEL_BLOCKS
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from service.history import StepRecord
+    from service.records import StepRecord
 
 
 MERGE_COLUMNS = (

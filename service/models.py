@@ -295,6 +295,19 @@ class GradientSample(Base):
     variables: Mapped[list[Any]]
 
 
+class EpochMetric(Base):
+    """The metrics Keras reported at the end of one epoch (``metrics``: name to value; a
+    NaN is stored as null). Written in the supervisor's general flush; a resume deletes the
+    rows from the epoch it restarts on (migration 0010)."""
+
+    __tablename__ = "epoch_metric"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("job.id", ondelete="CASCADE"), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    metrics: Mapped[dict[str, Any]]
+
+
 class User(Base):
     __tablename__ = "user"
     __table_args__ = (CheckConstraint("role IN ('admin', 'member')", name="ck_user_role"),)

@@ -7,8 +7,8 @@ from typing import Any
 
 from service import history
 from service.db import Database
-from service.history import StepRecord
 from service.models import Job, utcnow
+from service.records import StepRecord
 from service.responses import HistoryPage
 from tests.conftest import Api, Team
 from tests.waiting import eventually

@@ -23,8 +23,8 @@ from service import history, jobs
 from service.cli import app as cli_app
 from service.client import Client, ExitCode, UsageError, resolve_target, tables, watching
 from service.client import commands as client_commands
-from service.history import StepRecord
 from service.models import Job, float32, utcnow
+from service.records import StepRecord
 from tests import fakes
 from tests.live import CLIENT_ENV, Live, free_port, halfway
 from tests.waiting import eventually

@@ -34,8 +34,8 @@ from playwright.sync_api import (
 from service import history, jobs, normalization
 from service.app import create_app
 from service.db import Database
-from service.history import StepRecord
 from service.models import Job, utcnow
+from service.records import StepRecord
 from service.schemas import JobSpec
 from service.settings import Settings
 from tests import fakes

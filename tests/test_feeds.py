@@ -19,8 +19,8 @@ from sqlalchemy import event
 
 from service.db import POOL_SIZE, Database
 from service.feeds import KEEPALIVE, KEPT_EVENTS, Feeds, listen
-from service.history import StepRecord
 from service.models import Job
+from service.records import StepRecord
 from tests.conftest import Api
 from tests.live import Live
 from tests.test_history_queries import submit, synthetic_history, write

@@ -40,8 +40,8 @@ from schemathesis.generation.modes import GenerationMode
 from service import history
 from service.authcache import FailureLimiter
 from service.db import Database
-from service.history import StepRecord
 from service.models import Job, utcnow
+from service.records import StepRecord
 from service.routes import history as history_routes
 from service.schemas import LEGACY_AMP_ENV
 from service.settings import Settings

@@ -11,9 +11,10 @@ import time
 
 from sqlalchemy import func, select
 
-from service import gradients, history, jobs
+from service import gradients, jobs
 from service.db import Database
 from service.models import GradientSample, Job
+from service.records import StepRecord
 from service.settings import Settings
 from tests import fakes
 from tests.conftest import Api
@@ -135,7 +136,7 @@ def _claimed(db: Database, settings: Settings) -> tuple[Supervisor, Attempt]:
 
 
 def _pending(run: Attempt, steps: range, *, age: float = 0.0) -> None:
-    run.pending += [history.StepRecord(*r) for r in fakes._records(steps.start, len(steps))]
+    run.pending += [StepRecord(*r) for r in fakes._records(steps.start, len(steps))]
     run.new_gradients += [sample(s) for s in steps if s % 10 == 0]
     if run.gradients_since is None:
         run.gradients_since = time.monotonic() - age

@@ -21,8 +21,8 @@ from fastapi.testclient import TestClient
 from service import columnar, history
 from service.app import create_app
 from service.db import Database
-from service.history import StepRecord
 from service.models import Job, float32
+from service.records import StepRecord
 from service.responses import ColumnsPage, HistoryPage
 from service.settings import Settings
 from tests.conftest import Api, Team

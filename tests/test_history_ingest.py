@@ -15,8 +15,8 @@ from sqlalchemy import delete, func, select, text
 
 from service import history, ingest, jobs
 from service.db import Database
-from service.history import StepRecord
 from service.models import Job, ScaleEvent, Step, StepRollup, utcnow
+from service.records import StepRecord
 from service.rollups import refresh_rollups
 from service.settings import Settings
 from tests.conftest import Api

@@ -18,8 +18,8 @@ from sqlalchemy import text
 
 from service import history, rollups
 from service.db import Database
-from service.history import StepRecord
 from service.models import Job, StepRollup, utcnow
+from service.records import StepRecord
 from service.responses import BucketPage
 from service.routes import history as history_routes
 from service.settings import Settings

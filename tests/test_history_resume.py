@@ -18,8 +18,8 @@ from sqlalchemy import select
 from service import history, rollups
 from service.db import Database
 from service.heldflush import Held, HeldAppender
-from service.history import StepRecord
 from service.models import Job, ScaleEvent, StepRollup, utcnow
+from service.records import StepRecord
 from service.rollups import LEVEL_BLOCKS
 from tests.conftest import Api
 from tests.test_history_queries import brute_force, check_buckets, submit, synthetic_history, write

@@ -18,8 +18,8 @@ import pytest
 
 from service import history, pages
 from service.db import Database
-from service.history import StepRecord
 from service.models import Job
+from service.records import StepRecord
 from service.responses import BucketPage, HistoryPage
 from service.routes import history as history_routes
 from service.settings import Settings

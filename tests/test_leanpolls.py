@@ -19,9 +19,9 @@ from service import auth, history
 from service.app import create_app
 from service.authcache import settle
 from service.db import Database
-from service.history import StepRecord
 from service.leanpolls import LeanPolls
 from service.models import Job, utcnow
+from service.records import StepRecord
 from service.settings import Settings
 from tests.conftest import Team
 

@@ -15,9 +15,9 @@ from sqlalchemy import event
 
 from service import history, jobs
 from service.db import Database
-from service.history import StepRecord
 from service.metrics import DURATION_BUCKETS
 from service.models import Job, utcnow
+from service.records import StepRecord
 from service.schemas import JobSpec, SubmitResult
 
 

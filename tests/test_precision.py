@@ -17,7 +17,7 @@ from tests.training_runs import job_spec, run_job
 from workers.builders import precision_report
 from workers.cpu import CpuPrecision
 from workers.devices import configure_graph_rewrite
-from workers.training import build_trainer
+from workers.trainer import build_trainer
 
 pytestmark = pytest.mark.keras
 

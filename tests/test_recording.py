@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tests.training_runs import Run, job_spec, run_job
 from workers.recording import StepRecorder
-from workers.training import build_trainer
+from workers.trainer import build_trainer
 
 pytestmark = pytest.mark.keras
 

@@ -17,7 +17,7 @@ from tests.training_runs import job_spec, run_job
 from workers.checkpointer import Checkpointer
 from workers.recording import Drained, StepRecorder
 from workers.scaler import HalfwayLossScaleOptimizer, make_scaler
-from workers.training import Built, build_trainer, scaler_state
+from workers.trainer import Built, build_trainer, scaler_state
 
 pytestmark = pytest.mark.keras
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.heldflush import Held
-from service.history import StepRecord
+from service.records import StepRecord
 from workers.protocol import Done
 
 

@@ -32,7 +32,7 @@ from workers.context import RunContext
 from workers.protocol import Sample
 
 if TYPE_CHECKING:  # the trainer's module calls this one: no import back at run time
-    from workers.training import Plan
+    from workers.trainer import Plan
 
 # The probe's settings are always in the normalized spec (precision.probe).
 CANDIDATES = AUTO_CANDIDATES

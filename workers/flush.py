@@ -21,8 +21,8 @@ from sqlalchemy.exc import DBAPIError
 from service import gradients, history, jobs
 from service.db import Database
 from service.heldflush import Held, HeldAppender
-from service.history import StepRecord
 from service.metrics import HISTORY_WRITE_LATENCY
+from service.records import StepRecord
 from service.settings import Settings
 from service.storage import Store
 from workers import checkpoints

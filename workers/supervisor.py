@@ -22,7 +22,7 @@ from sqlalchemy.exc import DBAPIError
 from service import gradients, grants, jobs
 from service.db import Database
 from service.heldflush import HeldAppender
-from service.history import StepRecord
+from service.records import StepRecord
 from service.settings import Settings
 from service.storage import open_storage
 from workers import checkpoints, child, gpus, sandbox

@@ -27,7 +27,7 @@ from workers import data as data_mod
 from workers.context import RunContext
 from workers.feed import EpochFeed
 from workers.protocol import JobError
-from workers.training import Built, Plan, compile_trainer, executions, save_keras
+from workers.trainer import Built, Plan, compile_trainer, executions, save_keras
 
 KEYS = ("model", "train", "validation", "loss", "metrics", "optimizer", "callbacks")
 
