@@ -31,6 +31,7 @@ from service.routes import (
     code,
     dashboard,
     datasets,
+    epochs,
     export,
     gradients,
     history,
@@ -300,6 +301,7 @@ def create_app(
     app.include_router(history.router)
     app.include_router(export.router)
     app.include_router(gradients.router)
+    app.include_router(epochs.router)
     app.include_router(meta.router)
     app.include_router(artifacts.router)
     app.include_router(datasets.router)

@@ -300,6 +300,13 @@ class HistoryPage(BaseModel):
     )
 
 
+class MeOut(BaseModel):
+    name: str = Field(description='The caller: its user name ("local" with auth off).')
+    role: Literal["admin", "member"] = Field(
+        description="admin may cancel and reprioritize any job; member only their own."
+    )
+
+
 class PolicyOut(BaseModel):
     name: str
     variable_dtype: str

@@ -27,6 +27,8 @@ ENDPOINTS: list[tuple[str, str, Any, str]] = [
     ("GET", "/v1/jobs/{id}/history?points=10", None, "team"),
     ("GET", "/v1/jobs/{id}/history.csv", None, "team"),
     ("GET", "/v1/jobs/{id}/loss-scale/events", None, "team"),
+    ("GET", "/v1/jobs/{id}/metrics", None, "team"),
+    ("GET", "/v1/me", None, "team"),
     ("GET", "/v1/jobs/{id}/logs", None, "team"),
     ("GET", "/v1/jobs/{id}/artifacts", None, "team"),
     ("GET", "/v1/history?job_ids={id}", None, "team"),

@@ -33,6 +33,8 @@ class Attempt:
     pending: list[StepRecord] = field(default_factory=list)
     updates: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] | None = None
+    # Each epoch's metrics not yet written (``epochmetrics.clean_epoch``), for the general flush.
+    new_epochs: list[dict[str, Any]] = field(default_factory=list)
     new_warnings: list[str] = field(default_factory=list)
     new_forensics: list[dict[str, Any]] = field(default_factory=list)
     new_notes: list[str] = field(default_factory=list)

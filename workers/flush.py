@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from sqlalchemy.exc import DBAPIError
 
-from service import gradients, history, jobs
+from service import epochmetrics, gradients, history, jobs
 from service.db import Database
 from service.heldflush import Held, HeldAppender
 from service.metrics import HISTORY_WRITE_LATENCY
@@ -70,18 +70,20 @@ class HistoryWriter:
             and run.truncate_at is None
             and not run.updates
             and run.metrics is None
+            and not run.new_epochs
             and not run.new_warnings
             and not run.new_forensics
         )
         held = self._append_held(run, pending, durable=not relaxed)
         samples = run.new_gradients
+        epochs = run.new_epochs
         wrote_samples = held is None
         if held is None:
             # A commit carrying samples waits for the disk: unlike step rows, they are not
             # kept to be written again should the database lose a relaxed commit.
             relaxed = relaxed and not samples
             try:
-                held = self._write(run, pending, samples, durable=not relaxed)
+                held = self._write(run, pending, samples, epochs, durable=not relaxed)
             except DBAPIError as exc:
                 if run.db_down_since is None:
                     run.db_down_since = time.monotonic()
@@ -122,6 +124,7 @@ class HistoryWriter:
             run.relaxed_flushes = 0
         run.updates = {}
         run.metrics = None
+        run.new_epochs = run.new_epochs[len(epochs) :]
         run.new_warnings = []
         run.new_forensics = []
         run.new_notes = []
@@ -157,6 +160,7 @@ class HistoryWriter:
             or run.missing_checkpoint is not None
             or run.updates
             or run.metrics is not None
+            or run.new_epochs
             or run.new_warnings
             or run.new_forensics
             or run.new_notes
@@ -194,6 +198,7 @@ class HistoryWriter:
         run: Attempt,
         pending: list[StepRecord],
         samples: list[dict[str, Any]],
+        epochs: list[dict[str, Any]],
         *,
         durable: bool,
     ) -> Held | None:
@@ -261,4 +266,5 @@ class HistoryWriter:
             # After the truncation above: a resumed attempt's samples from its cut on replace
             # those of the attempt before, and none of the old ones survives the cut.
             gradients.write_samples(session, job, samples)
+            epochmetrics.write_epochs(session, job, epochs)
             return Held.of(job)

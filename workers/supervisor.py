@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
-from service import gradients, grants, jobs
+from service import epochmetrics, gradients, grants, jobs
 from service.db import Database
 from service.heldflush import HeldAppender
 from service.records import StepRecord
@@ -310,6 +310,8 @@ class Supervisor:
             run.metrics[key] = (
                 msg["metrics"] if msg["epoch"] < 0 else {"epoch": msg["epoch"], **msg["metrics"]}
             )
+            if msg["epoch"] >= 0:  # every epoch's, for the general flush (epoch_metric)
+                run.new_epochs.append(epochmetrics.clean_epoch(msg["epoch"], msg["metrics"]))
         elif msg["type"] == "checkpoint":
             self._commit_checkpoint(run, handle, msg["step"])
         elif msg["type"] == "saved":

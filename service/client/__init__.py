@@ -1,8 +1,8 @@
 """Halfway's Python client: ``from service.client import Client``.
 
-It needs only httpx (and pandas for the DataFrames of ``Client.history``, ``Client.gradients``
-and ``Client.sweep``, matplotlib to plot them: ``pip install 'halfway[client]'``);
-it never imports the server, SQLAlchemy or TensorFlow."""
+It needs only httpx (and pandas for the DataFrames of ``Client.history``, ``Client.metrics``,
+``Client.gradients`` and ``Client.sweep``, matplotlib to plot them:
+``pip install 'halfway[client]'``); it never imports the server, SQLAlchemy or TensorFlow."""
 
 from service.client.api import Client
 from service.client.config import Target, resolve_target

@@ -7,6 +7,7 @@ built on it, and notebooks use it directly::
     job = hw.submit(spec)
     hw.wait(job["id"], on_progress=lambda j: print(j["progress"]["step"]))
     df = hw.history(job["id"])         # every step: step, epoch, loss, loss_scale, finite
+    per_epoch = hw.metrics(job["id"])  # a row per epoch: loss, accuracy, val_loss, ...
     grads = hw.gradients(job["id"])    # each sampled step's gradient figures, per variable
 
 Every failure is a typed exception from ``service.client.errors`` (``Unauthorized``,
@@ -32,7 +33,7 @@ from service.client.errors import (
     Unreachable,
     UsageError,
 )
-from service.client.frames import gradients_frame, require_pandas, sweep_frame
+from service.client.frames import gradients_frame, metrics_frame, require_pandas, sweep_frame
 from service.client.responses import api_error, response_json, unreachable
 from service.vocabulary import FINISHED_STATUSES
 
@@ -377,6 +378,13 @@ class Client:
         """The history as the server's CSV bytes, streamed."""
         with self.stream(f"/v1/jobs/{job_id}/history.csv") as response:
             yield response.iter_bytes()
+
+    def metrics(self, job_id: int) -> pandas.DataFrame:
+        """Each ended epoch's metrics (``GET /v1/jobs/{id}/metrics``): a row per epoch,
+        indexed by the 0-based epoch, a float64 column per metric (loss, accuracy, val_loss,
+        ...; NaN where the server has none). Needs pandas (``halfway[client]``)."""
+        require_pandas("Client.metrics()")
+        return metrics_frame(self._get_json(f"/v1/jobs/{job_id}/metrics"))
 
     # ----------------------------------------------------------------------------------------
     # Gradient samples

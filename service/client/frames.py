@@ -1,7 +1,7 @@
 """The Python client's DataFrames that are built from the server's answers (a sweep's
-comparison from JSON, a job's gradient samples from Parquet), and the one check that pandas is
-there (``halfway[client]``). pandas is imported only when a frame is asked for: the CLI never
-needs it."""
+comparison and a job's per-epoch metrics from JSON, a job's gradient samples from Parquet),
+and the one check that pandas is there (``halfway[client]``). pandas is imported only when a
+frame is asked for: the CLI never needs it."""
 
 from __future__ import annotations
 
@@ -82,6 +82,19 @@ def gradients_frame(parquet: bytes) -> pandas.DataFrame:
         }
     )
     return typed
+
+
+def metrics_frame(page: Mapping[str, Any]) -> pandas.DataFrame:
+    """The server's per-epoch metrics (JSON) as a DataFrame: a row per epoch, indexed by the
+    0-based ``epoch``, a float64 column per metric in the order they first appear (NaN where
+    an epoch lacks one, or the server had null)."""
+    require_pandas("Client.metrics()")
+    import pandas as pd
+
+    epochs = [int(e["epoch"]) for e in page["epochs"]]
+    rows = [e["metrics"] for e in page["epochs"]]
+    frame = pd.DataFrame(rows, index=pd.Index(epochs, name="epoch", dtype="int64"))
+    return frame.astype("float64")
 
 
 def require_pandas(method: str) -> None:

@@ -1,4 +1,4 @@
-"""Policies and health."""
+"""Policies, the caller and health."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from sqlalchemy import text
 
 from service.deps import DbDep, PrincipalDep
 from service.policies import POLICIES
-from service.responses import PolicyOut, error_responses
+from service.responses import MeOut, PolicyOut, error_responses
 from service.vocabulary import vocabulary
 
 router = APIRouter(tags=["meta"])
@@ -25,6 +25,13 @@ def list_policies(_: PrincipalDep) -> list[PolicyOut]:
         )
         for p in POLICIES.values()
     ]
+
+
+@router.get("/v1/me", response_model=MeOut, responses=error_responses(401))
+async def get_me(principal: PrincipalDep) -> MeOut:
+    """Who the token belongs to: what the dashboard needs to offer only the actions the
+    caller may take (cancel and priority: the job's owner, or an admin)."""
+    return MeOut.model_validate({"name": principal.name, "role": principal.role})
 
 
 @router.get("/v1/vocabulary")
