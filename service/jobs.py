@@ -189,6 +189,9 @@ def claim_next(
             started_at=func.coalesce(Job.started_at, db_now()),
             updated_at=db_now(),
             accrued_at=db_now(),
+            # A request to stop that a vanished worker never acted on ends with its run.
+            preempt_for=None,
+            preempt_reason=None,
         )
         .returning(Job.id, Job.attempt, Job.spec, Job.checkpoint_step, Job.precision_decision)
         .execution_options(synchronize_session=False)
@@ -204,34 +207,13 @@ def claim_next(
     )
 
 
-@dataclass(frozen=True)
-class Renewal:
-    cancel_requested: bool
-    now: datetime  # the database's time of the renewal, for whatever the transaction writes
-
-
-def renew_lease(
-    session: Session, *, job_id: int, worker_id: str, lease_seconds: float
-) -> Renewal | None:
-    """Extend our lease. None if the job is no longer ours (fenced: another worker reclaimed
-    it, or it was finished elsewhere)."""
-    row = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.worker_id == worker_id, Job.status == "running")
-        .values(lease_expires_at=db_now(lease_seconds), updated_at=db_now())
-        .returning(Job.cancel_requested, Job.updated_at)
-        .execution_options(synchronize_session=False)
-    ).one_or_none()
-    return None if row is None else Renewal(cancel_requested=bool(row[0]), now=row[1])
-
-
 def renew_and_load(
     session: Session, *, job_id: int, worker_id: str, lease_seconds: float
 ) -> Job | None:
-    """``renew_lease`` for a writer: the job itself, loaded by the fenced UPDATE (which
-    returns the whole row), or None if it is no longer ours. The history write that follows
-    in the same transaction then needs no query to load the job; its ``updated_at`` is the
-    database's time of the renewal."""
+    """Extend our lease and load the job, by the fenced UPDATE (which returns the whole
+    row); None if the job is no longer ours (another worker reclaimed it, or it was finished
+    elsewhere). The history write that follows in the same transaction then needs no query
+    to load the job; its ``updated_at`` is the database's time of the renewal."""
     job: Job | None = session.scalars(
         update(Job)
         .where(Job.id == job_id, Job.worker_id == worker_id, Job.status == "running")
@@ -274,7 +256,7 @@ def _end_run(
     row = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.worker_id == worker_id, Job.status == "running")
-        .values(**values)
+        .values(**values, preempt_for=None, preempt_reason=None)
         .returning(Job.owner, Job.accrued_at, Job.gpus)
         .execution_options(synchronize_session=False)
     ).one_or_none()
@@ -338,7 +320,13 @@ def expire_abandoned(session: Session) -> int:
     """Finish running jobs whose worker vanished and that may not be retried: out of
     attempts (failed) or already asked to cancel (cancelled)."""
     stale = and_(Job.status == "running", Job.lease_expires_at < db_now())
-    ended = {"finished_at": db_now(), "updated_at": db_now(), "lease_expires_at": None}
+    ended = {
+        "finished_at": db_now(),
+        "updated_at": db_now(),
+        "lease_expires_at": None,
+        "preempt_for": None,
+        "preempt_reason": None,
+    }
     cancelled = session.execute(
         update(Job)
         .where(stale, Job.cancel_requested.is_(True))

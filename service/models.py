@@ -24,6 +24,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     false,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -133,6 +134,8 @@ class Job(Base):
         # Fair scheduling counts each owner's running jobs.
         Index("ix_job_owner_status", "owner", "status"),
         Index("ix_job_status_id", "status", "id"),
+        # One running job asked to make room per waiting job (migration 0011).
+        Index("uq_job_preempt_for", "preempt_for", unique=True),
         UniqueConstraint("owner", "idempotency_key", name="uq_job_idempotency"),
     )
 
@@ -201,6 +204,11 @@ class Job(Base):
     # claim, read by the fair-share order (a running job counts while it runs) and by the
     # accrual when the run ends (service/fairshare.py; migration 0009).
     accrued_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    # Each preemption at a checkpoint ({"at", "by_job", "reason", "step"}), and a pending
+    # request to stop for the waiting job ``preempt_for`` (service/preemption.py; 0011).
+    preemptions: Mapped[list[Any]] = mapped_column(default=list, server_default=text("'[]'"))
+    preempt_for: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    preempt_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
 
 class Step(Base):

@@ -181,6 +181,18 @@ class QueueSpot(BaseModel):
     )
 
 
+class PreemptionOut(BaseModel):
+    """One time a waiting job took this job's slot at a checkpoint (docs/scheduling.md)."""
+
+    at: datetime = Field(description="When the job stopped (the database's clock).")
+    by_job: int = Field(description="The waiting job it made room for.")
+    reason: Literal["priority", "share"] = Field(
+        description="priority (the waiting job's was higher) or share (its owner stood far "
+        "below this job's owner's share)."
+    )
+    step: int | None = Field(description="The checkpoint it resumes from (null: the start).")
+
+
 class JobOut(BaseModel):
     id: int
     name: str
@@ -228,6 +240,9 @@ class JobOut(BaseModel):
         None,
         description="A queued job's place in the claim order (null: not queued; not "
         "computed in the answers to submit, cancel and priority changes).",
+    )
+    preemptions: list[PreemptionOut] = Field(
+        default_factory=list, description="Each preemption at a checkpoint, oldest first."
     )
 
 

@@ -979,6 +979,11 @@ class JobSpec(StrictModel):
     name: str | None = Field(default=None, min_length=1, max_length=200, pattern=NAME_PATTERN)
     priority: int = Field(default=50, ge=0, le=100, description="Higher runs first.")
     max_attempts: int = Field(default=3, ge=1, le=20)
+    preemptible: bool = Field(
+        default=True,
+        description="A waiting job of higher priority, or of a user far below their share, "
+        "may stop this one at a checkpoint; it resumes later exactly (docs/scheduling.md).",
+    )
     precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
     loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec)
     model: ModelSpec = Field(default_factory=MLPModel)

@@ -104,6 +104,22 @@ class Settings(BaseSettings):
         description="Seconds after which a user's recorded use counts half in the fair-share "
         "order (docs/scheduling.md).",
     )
+    preemption: Literal["on", "off"] = Field(
+        default="on",
+        description="Preemption at checkpoints (docs/scheduling.md): off, no running job is "
+        "stopped for a waiting one on this host.",
+    )
+    preempt_after: float = Field(
+        default=1800.0,
+        ge=0,
+        description="Seconds a run must have lasted before a waiting job may preempt it.",
+    )
+    preempt_wait: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds a job must have waited before it may preempt a running one "
+        "(so that a slot freeing elsewhere takes it first).",
+    )
     poll_cache_seconds: float = Field(
         default=0.5,
         ge=0,

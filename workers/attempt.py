@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.heldflush import Held
+from service.preemption import Request
 from service.records import StepRecord
 from workers.protocol import Done
 
@@ -53,6 +54,10 @@ class Attempt:
     started: bool = False
     cancel_requested: bool = False
     shutting_down: bool = False
+    # A waiting job's request that this attempt stop (service/preemption.py): it then stops
+    # as a shutdown does, and the job goes back to the queue with the preemption recorded.
+    preempted: Request | None = None
+    preempt_looked_at: float = 0.0
     lease_lost: bool = False
     signalled_at: float | None = None
     hang_error: str | None = None

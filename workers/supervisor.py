@@ -19,13 +19,13 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
-from service import epochmetrics, gradients, grants, jobs
+from service import epochmetrics, gradients, grants, jobs, preemption
 from service.db import Database
 from service.heldflush import HeldAppender
 from service.records import StepRecord
 from service.settings import Settings
 from service.storage import open_storage
-from workers import checkpoints, child, gpus, sandbox
+from workers import checkpoints, child, gpus, preempting, sandbox
 from workers.attempt import Attempt, Outcome, decide
 from workers.context import ARTIFACT_VOLUME, disk_errors_explained
 from workers.flush import HistoryWriter
@@ -374,8 +374,8 @@ class Supervisor:
             except Exception as exc:  # the store is down: the next round tries again
                 log.warning("job %s: shipping the log failed: %s", run.job_id, exc)
         due = now - run.last_sync >= min(s.history_flush_seconds, s.lease_seconds / 3)
-        if due and now >= run.next_db_try:
-            self._sync(run)
+        if due and now >= run.next_db_try and self._sync(run):
+            run.shutting_down |= preempting.look(self.db, s, self.worker_id, run)
         if self.stop_event.is_set() and not run.cancel_requested:
             run.shutting_down = True
         wants_stop = run.cancel_requested or run.shutting_down
@@ -450,6 +450,11 @@ class Supervisor:
                     f"{outcome.error} (attempt {run.attempt} of {job.max_attempts}; giving up)",
                 )
             if outcome.status == "released":
+                asked = run.preempted
+                if asked is not None and not preemption.record(
+                    session, job_id=run.job_id, worker_id=self.worker_id, request=asked
+                ):
+                    return lost
                 ok = jobs.requeue(
                     session,
                     job_id=run.job_id,

@@ -240,6 +240,12 @@ def job_details(job: Job) -> Table:
             f"attempt {entry.get('attempt')}",
             Text(f"{entry.get('error')} ({fmt_time(entry.get('at'))})", style="red"),
         )
+    for p in job.get("preemptions", []):
+        at = "the start" if p.get("step") is None else f"step {p.get('step')}"
+        grid.add_row(
+            "preempted",
+            Text(f"{fmt_time(p.get('at'))} for job {p.get('by_job')} ({p.get('reason')}); at {at}"),
+        )
     grid.add_row("created", fmt_time(job["created_at"]))
     grid.add_row("started", fmt_time(job.get("started_at")))
     finished = fmt_time(job.get("finished_at"))

@@ -44,6 +44,7 @@ from service.responses import (
     JobOut,
     JobPage,
     PrecisionDecisionOut,
+    PreemptionOut,
     Progress,
     QueueSpot,
     Summary,
@@ -146,6 +147,7 @@ def job_out(job: Job) -> JobOut:
         spec=job.spec,
         history_version=job.history_version,
         history_reset_step=job.history_reset_step,
+        preemptions=[PreemptionOut.model_validate(p) for p in job.preemptions],
         gradients=(
             None
             if job.gradients_summary is None
