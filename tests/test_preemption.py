@@ -392,6 +392,45 @@ def test_a_child_killed_during_the_preemption_stop_leaves_a_job_that_resumes_exa
 
 
 @pytest.mark.keras
+def test_a_preemption_whose_checkpoint_cannot_reach_the_store_leaves_a_job_that_resumes_exactly(
+    api: Api, team: Team, db: Database, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store goes down once the job is asked to stop: the stop's checkpoint (and any
+    # other from then on) is not stored, so the job must go back to the queue from its last
+    # acknowledged checkpoint and replace the rows past it.
+    overflows = [30, 1960]
+    long_id = submit(api, long_spec(20, overflows))
+    failed: list[int] = []
+    store = LocalHandle.commit_checkpoint
+
+    def store_down_once_asked(handle: LocalHandle, step: int) -> None:
+        with db.read() as s:
+            asked = s.scalar(select(Job.preempt_for).where(Job.id == long_id))
+        if asked is not None:
+            failed.append(step)
+            raise OSError("the store is down")
+        store(handle, step)
+
+    monkeypatch.setattr(LocalHandle, "commit_checkpoint", store_down_once_asked)
+    with slot(db, preempting(settings)):
+        until(api, long_id, lambda j: (j["summary"]["checkpoint_step"] or 0) >= 200)
+        bobs = submit(api.as_user(team.bob), TINY)
+        short = until(api, bobs, over)
+        long = until(api, long_id, over)
+    assert failed, "no checkpoint was refused: the test did not test what it says"
+    assert short["status"] == "succeeded", short["error"]
+    assert long["status"] == "succeeded", long["error"]
+    assert long["attempt"] == 1, long["attempt_errors"]
+    (entry,) = long["preemptions"]
+    # It resumed from the last checkpoint stored before the store went down.
+    assert entry["by_job"] == bobs and entry["step"] % 200 == 0 and entry["step"] < failed[0]
+    check_exact_history(api, long, overflows)
+    assert long["history_version"] in (0, 1)
+    if long["history_version"] == 1:
+        assert long["history_reset_step"] == entry["step"]
+
+
+@pytest.mark.keras
 def test_one_keras_slot_the_second_member_s_jobs_start_before_the_first_member_s_last_three(
     api: Api, team: Team, db: Database, settings: Settings
 ) -> None:
