@@ -49,7 +49,7 @@ import httpx
 import results
 
 HALFWAY = str(Path(sys.executable).parent / "halfway")
-LIST_LIMIT = 100  # the dashboard's job list (app.js: jobListLimit)
+LIST_LIMIT = 100  # the dashboard's job list (config.js: jobListLimit)
 JOB = {
     "name": "load-benchmark",
     "data": {"samples": 20000, "features": 784, "classes": 10},
@@ -688,7 +688,7 @@ def main() -> None:
         "--list-period",
         type=float,
         default=2.0,
-        help="With --listen --jobs: seconds between a dashboard's list reads (app.js poll_ms).",
+        help="With --listen --jobs: seconds between a dashboard's list reads (config.js: poll_ms).",
     )
     parser.add_argument(
         "--generator-nice",

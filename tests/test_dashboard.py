@@ -36,6 +36,7 @@ from service.app import create_app
 from service.db import Database
 from service.models import Job, utcnow
 from service.records import StepRecord
+from service.routes.dashboard import STATIC
 from service.schemas import JobSpec
 from service.settings import Settings
 from tests import fakes
@@ -272,6 +273,29 @@ def test_page_has_a_strict_content_security_policy_and_is_revalidated(
         assert asset.status_code == 200, path
         assert asset.headers["cache-control"] == "no-cache"
     assert "uPlot 1.6.32" in client.get("/static/vendor/uplot/VERSION").text
+
+
+def test_the_dashboard_script_is_es_modules_served_as_javascript(client: TestClient) -> None:
+    page = client.get("/").text
+    assert '<script type="module" src="/static/app.js"></script>' in page
+    modules = {path.name: path.read_text() for path in STATIC.glob("*.js")}
+    reached: set[str] = set()
+    todo = ["app.js"]
+    while todo:
+        name = todo.pop()
+        reached.add(name)
+        for imported in re.findall(r'^import \{[^}]*\} from "\./([\w.]+)";', modules[name], re.M):
+            assert imported in modules, (name, imported)
+            if imported not in reached:
+                todo.append(imported)
+    assert reached == set(modules)  # app.js reaches every module; none is left unloaded
+    for name, text in modules.items():
+        assert text.count("\n") <= 600, name  # a file one can read
+        asset = client.get(f"/static/{name}")
+        assert asset.status_code == 200, name
+        # A module runs only with a JavaScript type (the page sends nosniff).
+        assert asset.headers["content-type"].startswith("text/javascript"), name
+        assert asset.headers["x-content-type-options"] == "nosniff"
 
 
 # --------------------------------------------------------------------------------------------
@@ -767,7 +791,7 @@ def test_html_in_job_fields_is_shown_as_text_and_never_runs(
     assert dash.page.evaluate("window.__pwned") is None
     # Shown as text, so no element came from the payload (the CSP would only be a second line).
     assert dash.page.locator("img").count() == 0
-    assert dash.page.locator("body script").count() == 2  # uPlot and app.js
+    assert dash.page.locator("body script").count() == 2  # uPlot and app.js (the modules)
 
 
 # --------------------------------------------------------------------------------------------

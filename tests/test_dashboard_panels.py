@@ -271,14 +271,18 @@ def test_a_cancel_from_the_dashboard_stops_a_job_a_real_worker_is_running(
     expect(dash.page.locator("#job-state")).to_contain_text("Cancelled")
 
 
-def test_another_users_cancel_is_refused_and_the_page_says_why(
+def test_another_users_job_offers_no_cancel_and_the_server_would_refuse_one(
     dash: Dashboard, db: Database, settings: Settings, team: Team
 ) -> None:
     job_id = add_job(db, settings, name="alices", owner="alice", status="queued")
     dash.open(f"/?token={team.bob}&{FAST}#job={job_id}")
-    dash.page.locator("#job-cancel").click()
-    dash.page.locator("#job-confirm-yes").click()
-    expect(dash.page.locator("#job-action-note")).to_contain_text("Not done")
+    expect(dash.page.locator("#job-state")).to_contain_text("Queued")
+    wait_until(dash.page, lambda: any(url.endswith("/v1/me") for url, _ in dash.responses))
+    expect(dash.page.locator("#job-cancel")).to_be_hidden()
+    expect(dash.page.locator("#job-priority")).to_be_hidden()
+    # Hiding the button is a courtesy: the server is what refuses.
+    refused = httpx.post(f"{dash.base_url}/v1/jobs/{job_id}/cancel", headers=Team.header(team.bob))
+    assert refused.status_code == 403
     assert job_json(dash.base_url, team.alice, job_id)["status"] == "queued"
 
 

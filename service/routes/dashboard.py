@@ -32,7 +32,7 @@ CONTENT_SECURITY_POLICY = "; ".join(
 )
 
 PAGE_HEADERS = {
-    # Revalidate each load, so an upgraded server never runs with a stale app.js.
+    # Revalidate each load, so an upgraded server never runs with stale modules.
     "Cache-Control": "no-cache",
     "Content-Security-Policy": CONTENT_SECURITY_POLICY,
     # The first visit's URL carries ?token=; never send it on as a Referer.
@@ -59,6 +59,10 @@ class RevalidatedStaticFiles(StaticFiles):
         status_code: int = 200,
     ) -> Response:
         response = super().file_response(full_path, stat_result, scope, status_code)
+        if isinstance(response, FileResponse) and str(full_path).endswith(".js"):
+            # The dashboard's script is ES modules, which a browser runs only when served with
+            # a JavaScript type (nosniff below); the host's MIME table may say otherwise.
+            response.headers["Content-Type"] = "text/javascript; charset=utf-8"
         response.headers["Cache-Control"] = "no-cache"
         response.headers["X-Content-Type-Options"] = "nosniff"
         return response
