@@ -10,7 +10,8 @@ they mean, stays as written. Without ``--publish`` nothing is written.
     .venv/bin/python benchmarks/claim.py --jobs 2000 --publish
 
 A block is keyed by the script's name, so a script run with other options replaces the one
-block; the header shows which options made the figures.
+block (the header shows which options made the figures); ``--publish=LABEL`` keeps a block
+of its own beside it (``load-log-panel``), for a mode worth keeping apart.
 """
 
 from __future__ import annotations
@@ -97,11 +98,13 @@ class _Tee(io.TextIOBase):
 def run(main: Callable[[], None], page: Path = PAGE) -> None:
     """Run a benchmark's ``main``; with ``--publish`` on the command line, write what it
     printed to ``page``. A run that fails publishes nothing."""
-    if "--publish" not in sys.argv[1:]:
+    asked = [a for a in sys.argv[1:] if a == "--publish" or a.startswith("--publish=")]
+    if not asked:
         main()
         return
-    sys.argv = [a for a in sys.argv if a != "--publish"]
-    name = Path(sys.argv[0]).stem
+    sys.argv = [a for a in sys.argv if a not in asked]
+    label = asked[-1].partition("=")[2]
+    name = Path(sys.argv[0]).stem + (f"-{label}" if label else "")
     command = shlex.join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     when, machine_line = datetime.now(UTC), machine()
     tee = _Tee(sys.stdout)

@@ -53,6 +53,15 @@ def test_a_printout_holding_a_fence_gets_a_longer_one() -> None:
     assert "````text\na\n```\nb\n````" in text
 
 
+def outside(page: str, name: str) -> str:
+    """The page without ``name``'s block (and the blank lines around where it was)."""
+    start, end = results.markers(name)
+    if start not in page:
+        return page.strip()
+    head, _, rest = page.partition(start)
+    return (head.rstrip() + "\n" + rest.partition(end)[2].lstrip()).strip()
+
+
 def test_a_published_run_writes_its_printout_and_machine_to_the_page(tmp_path: Path) -> None:
     page = tmp_path / "results.md"
     shutil.copy(ROOT / "docs" / "results.md", page)
@@ -62,7 +71,7 @@ def test_a_published_run_writes_its_printout_and_machine_to_the_page(tmp_path: P
     command += ["--rounds", "1", "--per-round", "1", "--publish"]
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True, cwd=ROOT)
     text = page.read_text()
-    assert text.startswith(before.rstrip("\n"))  # what was there stays
+    assert outside(text, "claim") == outside(before, "claim")  # the rest of the page stays
     start, end = results.markers("claim")
     written = text[text.index(start) : text.index(end)]
     assert "`benchmarks/claim.py --jobs 300 --users 10 --rounds 1 --per-round 1`" in written
@@ -72,6 +81,20 @@ def test_a_published_run_writes_its_printout_and_machine_to_the_page(tmp_path: P
     assert any("fair share / today's" in line for line in printed)
     for line in printed:
         assert line in written
+
+
+def test_a_labelled_run_keeps_a_block_of_its_own(tmp_path: Path) -> None:
+    page = tmp_path / "results.md"
+    page.write_text("# Results\n")
+    env = {**os.environ, "HALFWAY_RESULTS_PAGE": str(page)}
+    base = [sys.executable, str(BENCHMARKS / "claim.py"), "--jobs", "200", "--users", "5"]
+    base += ["--rounds", "1", "--per-round", "1"]
+    for extra in (["--publish"], ["--publish=few-users"]):
+        subprocess.run(base + extra, env=env, capture_output=True, check=True, cwd=ROOT)
+    text = page.read_text()
+    assert text.count("<!-- printout:claim -->") == 1
+    assert text.count("<!-- printout:claim-few-users -->") == 1
+    assert "--publish" not in text  # the option is taken off the command shown
 
 
 @pytest.mark.parametrize(
