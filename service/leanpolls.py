@@ -1,10 +1,11 @@
 """Dashboards' polls answered before FastAPI's routing and dependency injection.
 
 A poll of a job, of its history after a cursor or in buckets, or of the job list's first
-page, that the poll cache can answer costs no query, yet going through the router, the
-dependency solver and a Request and Response object costs several times the answer itself;
-with a few hundred dashboards polling every second that overhead, on the server's cores, is
-what slows the training beside it. This middleware recognizes exactly those polls (a
+page, that the poll cache can answer costs no query (an open log panel's read at the log's
+end, nothing appended, costs one look at the store per cache age for all its readers), yet
+going through the router, the dependency solver and a Request and Response object costs
+several times the answer itself; with a few hundred dashboards polling every second that
+overhead, on the server's cores, is what slows the training beside it. This middleware recognizes exactly those polls (a
 canonical path and query, a bearer token this process has verified under the current auth
 generation, a fresh snapshot) and answers them from the cache with the same bytes and headers
 the routes would send. Every other request, and every poll it is not sure of, goes on to the
@@ -40,9 +41,11 @@ from service.metrics import REQUEST_LATENCY
 from service.pages import PageKind, cached_page, polled_page
 from service.pollcache import ListKey, PageKey, PollCache
 from service.routes import history as history_routes
+from service.routes.artifacts import artifact_store
 from service.routes.export import MAX_ROWS_PER_PAGE, MAX_STEP
 from service.routes.history import LAST_EVENT_ID, MAX_POINTS, MAX_ROWS, bucket_page, resume_point
 from service.routes.jobs import LIST_LIMIT, job_listing, job_snapshot
+from service.storage import Store
 
 T = TypeVar("T")
 
@@ -52,6 +55,10 @@ HISTORY_PATH = "/v1/jobs/{job_id}/history"
 # The job list's polls it takes: the first page, with the default limit or one of 1..200.
 _LIST_QUERY = re.compile(rb"(?:limit=([1-9][0-9]?|1[0-9][0-9]|200))?")
 _PATH = re.compile(r"/v1/jobs/([1-9][0-9]{0,9})(/history)?")
+LOGS_PATH = "/v1/jobs/{job_id}/logs"
+_LOGS = re.compile(r"/v1/jobs/([1-9][0-9]{0,9})/logs")
+_LOGS_QUERY = re.compile(rb"offset=(0|[1-9][0-9]{0,18})")
+_LOG_SIZES_KEPT = 4096
 EVENTS_PATH = "/v1/jobs/{job_id}/events"
 _EVENTS = re.compile(r"/v1/jobs/([1-9][0-9]{0,9})/events")
 _EVENTS_QUERY = re.compile(rb"(?:after_step=(-1|0|[1-9][0-9]{0,9}))?")
@@ -79,12 +86,19 @@ class LeanPolls:
         self.api = api
         self._gzipped: dict[str, bytes] = {}  # by ETag: a body is compressed once
         self._flights: dict[Hashable, asyncio.Future[Any]] = {}
+        self._log_sizes: dict[int, tuple[float, int]] = {}  # job -> (when read, bytes)
+        self._store: Store | None = None
 
     async def answered(self, scope: Scope, send: Send) -> bool:
         """Whether this request was a poll and has been answered."""
         if scope["type"] != "http" or scope["method"] != "GET":
             return False
         started = time.perf_counter()
+        size = await self._log_end(scope)
+        if size is not None:
+            await _send_log_end(send, size)
+            REQUEST_LATENCY.labels("GET", LOGS_PATH, "200").observe(time.perf_counter() - started)
+            return True
         answer = await self._answer(scope)
         if answer is None:
             return False
@@ -189,6 +203,41 @@ class LeanPolls:
         except Exception:  # a missing job, a database down: the routes answer and report it
             return None
         return HISTORY_PATH, *page
+
+    async def _log_end(self, scope: Scope) -> int | None:
+        """The log's size, when this is an open log panel's read at the log's end (its
+        offset is the size the store gave within the poll cache's age) of a job that exists:
+        the route's answer is then empty, and costs its routing, a query and a look at the
+        store each time. Else None, and the route answers."""
+        found = _LOGS.fullmatch(scope["path"])
+        query = _LOGS_QUERY.fullmatch(scope["query_string"])
+        cache: PollCache = self.api.state.poll_cache
+        if found is None or query is None or cache.ttl <= 0 or _has_body(scope):
+            return None
+        job_id, offset = int(found.group(1)), int(query.group(1))
+        if job_id > MAX_ID or not await self._authorized(scope):
+            return None
+        try:
+            if cache.fresh(job_id) is None:  # the job exists (the route answers a 404)
+                await self._shared(("job", job_id), job_snapshot, self.api.state.db, cache, job_id)
+            size = await self._log_size(job_id, cache.ttl)
+        except Exception:  # the store or the database is down: the route reports it
+            return None
+        return size if offset == size else None
+
+    async def _log_size(self, job_id: int, ttl: float) -> int:
+        """The job's log size in the store, read at most once per ``ttl`` for all readers."""
+        now = time.monotonic()
+        kept = self._log_sizes.get(job_id)
+        if kept is not None and now - kept[0] < ttl:
+            return kept[1]
+        if self._store is None:
+            self._store = artifact_store(self.api.state.settings)
+        size = await self._shared(("log", job_id), _log_size, self._store, job_id)
+        if len(self._log_sizes) >= _LOG_SIZES_KEPT:
+            self._log_sizes.clear()
+        self._log_sizes[job_id] = (now, size)
+        return size
 
     async def _listing(self, scope: Scope, cache: PollCache) -> tuple[str, bytes, str] | None:
         """The job list's first page, as the list route would answer it."""
@@ -305,6 +354,23 @@ async def _pump(receive: Receive, send: Send, chunks: AsyncGenerator[bytes, None
     failed = None if pumping.cancelled() else pumping.exception()
     if failed is not None:  # the feed's read failed: the connection is dropped, as the route's
         raise failed
+
+
+def _log_size(store: Store, job_id: int) -> int:
+    return store.size(f"{job_id}/train.log") or 0
+
+
+async def _send_log_end(send: Send, size: int) -> None:
+    """The log route's answer at the log's end: no bytes, the offset to read on from."""
+    at = str(size).encode()
+    headers = [
+        (b"x-log-offset", at),
+        (b"x-log-size", at),
+        (b"content-length", b"0"),
+        (b"content-type", b"text/plain; charset=utf-8"),
+    ]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
 
 
 def _repeated(scope: Scope, name: bytes) -> bool:

@@ -331,3 +331,64 @@ def test_the_lean_path_serves_the_streams_and_leaves_the_rest(pair: Pair, team: 
     assert asyncio.run(lean._stream_target(repeated)) is None
     assert target(f"/v1/jobs/{pair.job_id}/events?after_step=40", {}) == (pair.job_id, 40, None)
     assert target(_streams(pair)[0][0], {"Last-Event-ID": "2:7"}) == (pair.job_id, 7, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# An open log panel's read at the log's end: answered before the routes too, the route's
+# empty answer; any read with bytes to send goes to the route.
+
+
+def test_a_log_read_at_its_end_gets_the_routes_answer_and_a_read_with_news_the_route(
+    pair: Pair, settings: Settings, team: Team
+) -> None:
+    from service.routes.artifacts import artifact_store
+
+    store = artifact_store(settings)
+    key = f"{pair.job_id}/train.log"
+    store.put_bytes(key, b"epoch 1\n")
+    logs = f"/v1/jobs/{pair.job_id}/logs"
+    lean = LeanPolls(pair.lean.app)  # type: ignore[arg-type]
+
+    def at_end(url: str, token: str = team.alice) -> int | None:
+        return asyncio.run(lean._log_end(_scope(url, token)))
+
+    _warm(pair, ["/v1/jobs", f"/v1/jobs/{pair.job_id}"])
+    for url in (f"{logs}?offset=8", f"{logs}?offset=0", f"{logs}?offset=9", logs, f"{logs}?tail=3"):
+        assert _answer(pair.lean, url, IDENTITY) == _answer(pair.plain, url, IDENTITY), url
+    assert at_end(f"{logs}?offset=8") == 8  # at the end: answered here
+    for url in (
+        f"{logs}?offset=0",  # bytes to send
+        f"{logs}?offset=9",  # past the end: the route clamps it
+        f"{logs}?offset=08",
+        f"{logs}?offset=8&offset=8",
+        f"{logs}?offset=8&tail=3",
+        logs,
+        "/v1/jobs/99999/logs?offset=0",  # no such job: the route's 404
+    ):
+        assert at_end(url) is None, url
+    assert at_end(f"{logs}?offset=8", "hw_not-a-token") is None
+    # The log grows: once the size read has aged, the old end is not the end any more, and
+    # the route sends what was appended.
+    store.put_bytes(key, b"epoch 1\nepoch 2\n")
+    served = pair.lean.app.lean  # type: ignore[attr-defined]
+    assert served is not None and served._log_sizes  # the app's own path kept the size too
+    ttl = pair.lean.app.state.poll_cache.ttl  # type: ignore[attr-defined]
+    for path in (lean, served):
+        path._log_sizes = {j: (when - ttl, n) for j, (when, n) in path._log_sizes.items()}
+    assert at_end(f"{logs}?offset=8") is None
+    r = pair.lean.get(f"{logs}?offset=8", headers=IDENTITY)
+    assert (r.content, r.headers["x-log-offset"]) == (b"epoch 2\n", "16")
+
+
+def test_log_reads_at_the_end_are_counted_by_route(pair: Pair, settings: Settings) -> None:
+    from service.routes.artifacts import artifact_store
+
+    artifact_store(settings).put_bytes(f"{pair.job_id}/train.log", b"0123")
+    url = f"/v1/jobs/{pair.job_id}/logs?offset=4"
+    route = "/v1/jobs/{job_id}/logs"
+    before = pair.lean.get("/metrics").text
+    for _ in range(5):
+        r = pair.lean.get(url, headers=IDENTITY)
+        assert (r.status_code, r.content, r.headers["x-log-size"]) == (200, b"", "4")
+    after = pair.lean.get("/metrics").text
+    assert _count(after, route, 200) - _count(before, route, 200) == 5
