@@ -12,8 +12,8 @@ PACKAGES = ("service", "workers")
 MAX_LINES = 600
 # Modules still over the limit, each with its line count when this list was written: the
 # test fails when one grows, and when one shrinks under the limit (then it leaves the list).
-# Issue #27 splits them: the job spec by what users write, the benchmark by its modes.
-OVER_THE_LIMIT = {"service/schemas.py": 1107, "benchmarks/load.py": 743}
+# Issue #27 splits it by what users write.
+OVER_THE_LIMIT = {"service/schemas.py": 1107}
 
 
 def module_name(path: Path) -> str:
