@@ -353,6 +353,7 @@ def test_sigkilled_worker_resumes_a_code_job_with_no_gap_and_no_duplicate(
         alive,
         check_gradients_across_resume,
         children,
+        rows_past_the_checkpoint,
         start_worker,
         wait_until,
     )
@@ -384,7 +385,7 @@ def test_sigkilled_worker_resumes_a_code_job_with_no_gap_and_no_duplicate(
             first.kill()
     killed = live.api("GET", f"/v1/jobs/{job_id}")
     assert killed["status"] == "running" and killed["summary"]["last_step"] < total - 1
-    cut = killed["summary"]["last_step"] >= killed["summary"]["checkpoint_step"]
+    cut = rows_past_the_checkpoint(settings, job_id)
     second = start_worker(settings, log)
     try:
         job = wait_for(live, job_id, timeout=400)

@@ -70,6 +70,7 @@ OPERATIONS = [
     "GET /v1/jobs/{job_id}/history.arrow",
     "GET /v1/jobs/{job_id}/history.parquet",
     "GET /v1/jobs/{job_id}/gradients",
+    "GET /v1/jobs/{job_id}/metrics",
     "GET /v1/jobs/{job_id}/events",
     "GET /v1/history",
     "GET /v1/policies",
@@ -87,6 +88,7 @@ OPERATIONS = [
     "GET /v1/code/{digest}",
     "GET /v1/queue",
     "GET /v1/users/shares",
+    "GET /v1/me",
     "PUT /v1/users/{name}/share",
 ]
 
