@@ -5,13 +5,14 @@ page, that the poll cache can answer costs no query (an open log panel's read at
 end, nothing appended, costs one look at the store per cache age for all its readers), yet
 going through the router, the dependency solver and a Request and Response object costs
 several times the answer itself; with a few hundred dashboards polling every second that
-overhead, on the server's cores, is what slows the training beside it. This middleware recognizes exactly those polls (a
-canonical path and query, a bearer token this process has verified under the current auth
-generation, a fresh snapshot) and answers them from the cache with the same bytes and headers
-the routes would send. Every other request, and every poll it is not sure of, goes on to the
-app unchanged: it never answers an error itself. When the snapshot has aged, or a page is not
-cached yet, it reads them as the routes would, once for every poll waiting on them, so a poll
-never falls back to the routes' cost merely because it arrived as the cache was refreshed.
+overhead, on the server's cores, is what slows the training beside it. This middleware
+recognizes exactly those polls (a canonical path and query, a bearer token this process has
+verified under the current auth generation, a fresh snapshot) and answers them from the
+cache with the same bytes and headers the routes would send. Every other request, and
+every poll it is not sure of, goes on to the app unchanged: it never answers an error
+itself. When the snapshot has aged, or a page is not cached yet, it reads them as the routes
+would, once for every poll waiting on them, so a poll never falls back to the routes' cost
+merely because it arrived as the cache was refreshed.
 
 It runs before FastAPI's own middleware and the app's (``HalfwayAPI``), since each layer costs
 a noticeable part of such an answer, so it does itself what those layers would do to the
