@@ -456,19 +456,21 @@ def test_a_job_ray_cannot_place_yet_waits_past_the_startup_timeout_and_runs_once
 def test_a_job_waiting_for_room_on_ray_is_cancelled_at_once(
     ray_api: Api, db: Database, ray_settings: Settings, ray_cluster: RayCluster
 ) -> None:
-    """A cancel of a job whose actor Ray has not placed ends it within the grace period:
-    no call waits on an actor that does not exist yet."""
+    """A cancel of a job whose actor Ray has not placed ends it while the cluster is still
+    full: no call waits on an actor that does not exist yet (one that did would wait until
+    the holders below are released, which happens only after the cancel has finished). No
+    bound on the time it took: under CI load it ranged from 3 to 11 s, all of it the
+    supervisor's own rounds and the grace period."""
     holders = fill_the_cluster(ray_cluster)
     try:
         job_id = queue_fake(db, {"fake": {"steps": 10}})
         with Running(db, ray_settings, ray_cluster, trainer=fakes.trainer):
             wait_until(lambda: job_of(ray_api, job_id)["status"] == "running", 30, "the claim")
-            asked = time.monotonic()
             assert ray_api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
             wait_until(lambda: finished(ray_api, job_id), 60, "the cancel")
-            took = time.monotonic() - asked
     finally:
         release(holders)
     job = job_of(ray_api, job_id)
     assert job["status"] == "cancelled" and job["attempt"] == 1, job
-    assert took < ray_settings.cancel_grace_seconds + 5, took
+    # Its actor never ran: the cluster stayed full until the cancel had ended it.
+    assert job["summary"]["last_step"] is None, job["summary"]
