@@ -228,3 +228,24 @@ def test_a_resumed_keras_job_has_one_row_per_epoch_with_the_resumed_runs_values(
     assert epochs[1]["metrics"]["loss"] == pytest.approx(resumed, rel=1e-4)
     assert epochs[1]["metrics"]["loss"] != pytest.approx(whole, rel=1e-4)
     assert epochs[2]["metrics"]["loss"] == pytest.approx(sum(losses[20:30]) / 10, rel=1e-4)
+
+
+def test_what_a_user_s_callbacks_put_in_keras_logs_is_bounded_before_it_is_stored() -> None:
+    """A code job's callbacks can put anything in Keras' logs, and the child sends it: the
+    supervisor keeps at most MAX_METRICS names, each cut to MAX_NAME characters, and only
+    finite numbers (anything else is null), so a hostile job cannot grow the row."""
+    hostile: dict[Any, Any] = {"n" * 5_000: 1.5}
+    hostile |= {f"m{i}": float(i) for i in range(epochmetrics.MAX_METRICS + 50)}
+    hostile["m0"] = "x" * 10_000
+    hostile["m1"] = True
+    hostile["m2"] = math.inf
+    hostile["m3"] = [1, 2, 3]
+    cleaned = epochmetrics.clean_epoch(2**40, hostile)
+    metrics = cleaned["metrics"]
+    assert cleaned["epoch"] == epochmetrics.MAX_EPOCH
+    assert len(metrics) == epochmetrics.MAX_METRICS
+    assert all(len(name) <= epochmetrics.MAX_NAME for name in metrics)
+    assert metrics["n" * epochmetrics.MAX_NAME] == 1.5  # kept, its name cut
+    assert metrics["m0"] is None and metrics["m1"] is None and metrics["m2"] is None
+    assert metrics["m3"] is None and metrics["m4"] == 4.0
+    assert epochmetrics.clean_epoch(-3, "not a mapping") == {"epoch": 0, "metrics": {}}
