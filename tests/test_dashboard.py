@@ -24,12 +24,14 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from playwright.sync_api import (
     Browser,
+    BrowserContext,
     Page,
     Request,
     Response,
     Route,
     expect,
 )
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from service import history, jobs, normalization
 from service.app import create_app
@@ -100,12 +102,15 @@ class Dashboard:
     def __init__(self, page: Page, base_url: str) -> None:
         self.page = page
         self.base_url = base_url
+        self.pending: dict[Request, str] = {}  # every request not yet answered, any path
         self.requests: list[Request] = []
         self.responses: list[tuple[str, int]] = []
         self.event_streams: list[str] = []  # URLs answered 200 with an event stream
         self.errors: list[str] = []
         page.on("request", self._on_request)
         page.on("response", self._on_response)
+        page.on("requestfinished", self._on_answered)
+        page.on("requestfailed", self._on_answered)
         page.on("pageerror", lambda exc: self.errors.append(f"page error: {exc}"))
         page.on(
             "console",
@@ -114,7 +119,11 @@ class Dashboard:
             ),
         )
 
+    def _on_answered(self, request: Request) -> None:
+        self.pending.pop(request, None)
+
     def _on_request(self, request: Request) -> None:
+        self.pending[request] = urlsplit(request.url).path
         if "/v1/" in request.url:
             self.requests.append(request)
 
@@ -126,7 +135,14 @@ class Dashboard:
                 self.event_streams.append(response.url)
 
     def open(self, path: str) -> None:
-        self.page.goto(self.base_url + path)
+        """Load the page and wait for its load event. A failed load names the requests still
+        unanswered (a stalled module, a server that stopped answering) rather than a bare
+        timeout."""
+        try:
+            self.page.goto(self.base_url + path)
+        except PlaywrightTimeoutError as exc:
+            waiting = sorted(self.pending.values())
+            raise AssertionError(f"the page did not load; still unanswered: {waiting}") from exc
 
     def history_queries(self, job_id: int) -> list[dict[str, str]]:
         """Query parameters of each history request for one job, in order."""
@@ -154,10 +170,19 @@ class Dashboard:
         return self.page.evaluate("localStorage.getItem('halfway.token')")
 
 
+def new_context(browser: Browser, *, width: int = 1280, height: int = 1000) -> BrowserContext:
+    """A fresh browser profile. Each wait on the page may take 10 s; a load, 30 s: it is some
+    twenty requests to a server that shares its process (and two cores) with the test's
+    workers, and under a full suite's load one took over 10 s (no request failed)."""
+    context = browser.new_context(viewport={"width": width, "height": height})
+    context.set_default_timeout(10_000)
+    context.set_default_navigation_timeout(30_000)
+    return context
+
+
 @pytest.fixture
 def dash(browser: Browser, base_url: str) -> Iterator[Dashboard]:
-    context = browser.new_context(viewport={"width": 1280, "height": 1000})
-    context.set_default_timeout(10_000)
+    context = new_context(browser)
     dashboard = Dashboard(context.new_page(), base_url)
     yield dashboard
     context.close()
@@ -350,7 +375,7 @@ def test_with_auth_off_no_token_is_needed(
 ) -> None:
     job_id = add_job(db, settings, name="local")
     with serve(create_app(settings, db, auth=False)) as url:
-        context = browser.new_context()
+        context = new_context(browser)
         try:
             dashboard = Dashboard(context.new_page(), url)
             dashboard.open(f"/?{FAST}")

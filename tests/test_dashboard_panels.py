@@ -30,6 +30,7 @@ from tests.test_dashboard import (
     Dashboard,
     add_job,
     drag,
+    new_context,
     records,
     serve,
     wait_until,
@@ -51,9 +52,7 @@ def base_url(settings: Settings, db: Database) -> Iterator[str]:
 
 
 def new_dashboard(browser: Browser, base_url: str, width: int, height: int) -> Dashboard:
-    context = browser.new_context(viewport={"width": width, "height": height})
-    context.set_default_timeout(10_000)
-    return Dashboard(context.new_page(), base_url)
+    return Dashboard(new_context(browser, width=width, height=height).new_page(), base_url)
 
 
 @pytest.fixture
@@ -329,7 +328,7 @@ def test_a_compare_link_opened_cold_shows_the_same_jobs_and_zoom(
     link = dash.page.url + "&compare_steps=100-400"
     other = new_dashboard(browser, dash.base_url, 1400, 900)
     try:
-        other.page.goto(dash.base_url + "/?token=" + team.alice)  # the token, as a first visit
+        other.open("/?token=" + team.alice)  # the token, as a first visit
         other.page.goto(link)
         expect(other.page.locator("#compare")).to_be_visible()
         expect(other.page.locator("#compare-loss-chart")).to_have_attribute(

@@ -22,7 +22,7 @@ from service.db import Database
 from service.models import Job
 from service.settings import Settings
 from tests.conftest import Team
-from tests.test_dashboard import FAST, POLLING, Dashboard, serve, wait_until
+from tests.test_dashboard import FAST, POLLING, Dashboard, new_context, serve, wait_until
 from tests.test_gradient_views import fake_worker
 from tests.test_supervisor import make_job
 
@@ -48,8 +48,7 @@ def base_url(settings: Settings, db: Database) -> Iterator[str]:
 
 @pytest.fixture
 def dash(browser: Browser, base_url: str) -> Iterator[Dashboard]:
-    context = browser.new_context(viewport={"width": 1280, "height": 1400})
-    context.set_default_timeout(10_000)
+    context = new_context(browser, height=1400)
     dashboard = Dashboard(context.new_page(), base_url)
     yield dashboard
     context.close()
