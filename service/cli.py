@@ -425,7 +425,7 @@ def users_shares() -> None:
     settings = Settings()
     db = _database(settings)
     migrate.upgrade(db.engine)
-    rule = fairshare.Rule(settings.fairshare_half_life, settings.max_running_per_user)
+    rule = fairshare.Rule.from_settings(settings)
     try:
         with db.read() as session:
             shares = fairshare.shares(session, rule)
@@ -433,14 +433,19 @@ def users_shares() -> None:
         db.dispose()
     typer.echo(
         f"{'user':<20} {'weight':>8} {'share':>7} {'used (h)':>10} {'of use':>7} "
-        f"{'standing':>10} {'running':>7}"
+        f"{'standing':>10} {'running':>7} {'window (h)':>10}"
     )
     for s in shares:
         typer.echo(
             f"{s.owner:<20} {s.weight:>8g} {s.share:>7.1%} {s.usage / 3600:>10.2f} "
-            f"{s.usage_share:>7.1%} {s.standing:>10.0f} {s.running:>7}"
+            f"{s.usage_share:>7.1%} {s.standing:>10.0f} {s.running:>7} {s.spent / 3600:>10.2f}"
         )
     typer.echo(f"(use decays by half every {settings.fairshare_half_life:g} s)", err=True)
+    budget = f"{settings.budget_slot_hours:g} slot-hours" if rule.has_budget else "no budget"
+    typer.echo(
+        f"(window (h): slot-hours in this {settings.budget_window:g} s window; {budget})",
+        err=True,
+    )
 
 
 @users_app.command("share")

@@ -25,15 +25,37 @@ the k-th queued job of an owner (by priority, then age) is ranked with that owne
 count plus k; ordering every claimable job by that key gives exactly the sequence repeated
 claims at one instant would take, since each owner's own jobs already come in that order.
 A position is a snapshot: as running jobs accrue time the order moves.
+
+The budget (optional, ``HALFWAY_BUDGET_SLOT_HOURS``; 0, the default, means none). Time is cut
+into fixed windows of ``HALFWAY_BUDGET_WINDOW`` seconds (a week by default) counted from
+Monday 1970-01-05 00:00 UTC, so a week's window starts on Monday and a day's at midnight UTC.
+An owner's *spent* time is the slot-seconds of their runs within the current window, undecayed:
+the ``window_used`` of their ``user_usage`` row if it counts this window, plus each running
+job's time since the later of its ``accrued_at`` and the window's start. While spent is at or
+over the budget, none of the owner's queued jobs is claimed (reason ``budget``) and none
+preempts; a job already running goes on to its end, and a job whose worker vanished is still
+reclaimed. A new window starts every owner from nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, Literal
+from datetime import UTC, datetime
+from typing import Any
 
-from sqlalchemy import ColumnElement, Float, Subquery, and_, case, func, literal, or_, select, union
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Float,
+    Subquery,
+    and_,
+    case,
+    func,
+    literal,
+    or_,
+    select,
+    union,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
@@ -43,22 +65,50 @@ from sqlalchemy.sql.functions import FunctionElement
 from service.dbclock import db_now
 from service.errors import NotFound
 from service.models import Job, User, UserUsage, UTCDateTime
+from service.settings import Settings
+from service.slots import largest as largest_slot
+from service.vocabulary import QueueReason
 
 DEFAULT_HALF_LIFE = 86400.0
 # 2**-1000 is still a normal double, and PostgreSQL's power() raises on underflow: after a
 # thousand half-lives the usage is as good as zero.
 MAX_HALVINGS = 1000.0
+# Budget windows are whole multiples of the window from here: a Monday, 00:00 UTC.
+WINDOW_ORIGIN = datetime(1970, 1, 5, tzinfo=UTC)
+DEFAULT_WINDOW = 7 * 86400.0
 
-Reason = Literal["next", "priority", "share", "age", "per-user cap"]
+Reason = QueueReason
 
 
 @dataclass(frozen=True)
 class Rule:
-    """What the order depends on beyond the database: the half-life, and the per-user cap
-    (``HALFWAY_MAX_RUNNING_PER_USER``; 0: none). Every host should use the same values."""
+    """What the order depends on beyond the database: the half-life, the per-user cap
+    (``HALFWAY_MAX_RUNNING_PER_USER``; 0: none) and the budget of slot-seconds per owner per
+    window (0: none). Every host should use the same values."""
 
     half_life: float = DEFAULT_HALF_LIFE
     max_running_per_user: int = 0
+    budget_seconds: float = 0.0
+    window_seconds: float = DEFAULT_WINDOW
+    # A worker's slot counts as live this long after its last claim (service/slots.py).
+    slot_live_seconds: float = 180.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Rule:
+        return cls(
+            half_life=settings.fairshare_half_life,
+            max_running_per_user=settings.max_running_per_user,
+            budget_seconds=settings.budget_slot_hours * 3600.0,
+            window_seconds=settings.budget_window,
+            # An idle worker claims every poll; one waiting for its GPUs to free up claims
+            # nothing for up to gpu_free_timeout_seconds.
+            slot_live_seconds=max(settings.lease_seconds, settings.gpu_free_timeout_seconds)
+            + 10 * settings.poll_seconds,
+        )
+
+    @property
+    def has_budget(self) -> bool:
+        return self.budget_seconds > 0
 
 
 class seconds_between(FunctionElement[float]):  # lower case: it reads as the SQL it is
@@ -90,6 +140,27 @@ def _sqlite(element: seconds_between, compiler: SQLCompiler, **kw: Any) -> str:
     return f"MAX(COALESCE((julianday({later}) - julianday({earlier})) * 86400.0, 0), 0)"
 
 
+class whole(FunctionElement[int]):  # lower case: it reads as the SQL it is
+    """The integer part of a number that is at least 0 (SQLite may lack FLOOR)."""
+
+    type = BigInteger()
+    inherit_cache = True
+    name = "halfway_whole"
+
+    def __init__(self, number: Any) -> None:
+        super().__init__(number)
+
+
+@compiles(whole, "postgresql")
+def _whole_postgresql(element: whole, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"CAST(FLOOR({compiler.process(element.clauses, **kw)}) AS BIGINT)"
+
+
+@compiles(whole, "sqlite")
+def _whole_sqlite(element: whole, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"CAST({compiler.process(element.clauses, **kw)} AS INTEGER)"
+
+
 def at_time(at: datetime | None) -> ColumnElement[datetime]:
     """The instant the order is computed for: the database's now, or (tests, benchmarks) a
     fixed one, so that positions and claims can be compared at one instant."""
@@ -100,6 +171,21 @@ def slots(job: Any) -> ColumnElement[int]:
     """What a running job uses per second: its GPUs, or one slot without any."""
     rate: ColumnElement[int] = case((func.coalesce(job.gpus, 0) > 1, job.gpus), else_=1)
     return rate
+
+
+def lesser(a: Any, b: Any) -> ColumnElement[float]:
+    smaller: ColumnElement[float] = case((a < b, a), else_=b)
+    return smaller
+
+
+def window_of(now: Any, seconds: float) -> tuple[ColumnElement[int], ColumnElement[float]]:
+    """The budget window ``now`` falls in (whole windows since ``WINDOW_ORIGIN``) and how many
+    seconds of it have passed."""
+    since_origin = seconds_between(literal(WINDOW_ORIGIN, UTCDateTime()), now)
+    length = literal(float(seconds), Float())
+    index = whole(since_origin / length)
+    into: ColumnElement[float] = since_origin - index * length
+    return index, into
 
 
 def decayed(usage: Any, as_of: Any, now: Any, half_life: float) -> ColumnElement[float]:
@@ -123,21 +209,27 @@ def claimable() -> ColumnElement[bool]:
     )
 
 
-def standings(*, now: Any, half_life: float, owners: Subquery | None = None) -> Subquery:
+def standings(
+    *, now: Any, half_life: float, owners: Subquery | None = None, window: float | None = None
+) -> Subquery:
     """Each owner's figures, one row per owner (columns ``owner``, ``usage``, ``weight``,
-    ``running``, ``key``): the owners with jobs queued or running, or those of ``owners`` (a
-    subquery with an ``owner`` column). A derived table the claim joins, rather than
+    ``running``, ``key``, and with ``window`` (seconds) ``spent``, the slot-seconds used in
+    the current budget window): the owners with jobs queued or running, or those of ``owners``
+    (a subquery with an ``owner`` column). A derived table the claim joins, rather than
     subqueries per queued job: its cost is one pass over the active jobs, whatever the
     queue's length (benchmarks/claim.py)."""
     live = and_(Job.status == "running", Job.lease_expires_at >= db_now())
+    ran = seconds_between(Job.accrued_at, now)
+    sums = [
+        func.count(case((live, 1))).label("running"),
+        func.sum(case((live, ran * slots(Job)), else_=0.0)).label("running_time"),
+    ]
+    if window is not None:
+        index, into = window_of(now, window)
+        in_window = lesser(ran, into) * slots(Job)
+        sums.append(func.sum(case((live, in_window), else_=0.0)).label("running_in_window"))
     active = (
-        select(
-            Job.owner.label("owner"),
-            func.count(case((live, 1))).label("running"),
-            func.sum(
-                case((live, seconds_between(Job.accrued_at, now) * slots(Job)), else_=0.0)
-            ).label("running_time"),
-        )
+        select(Job.owner.label("owner"), *sums)
         .where(Job.status.in_(("queued", "running")))
         .group_by(Job.owner)
         .subquery("active")
@@ -147,13 +239,18 @@ def standings(*, now: Any, half_life: float, owners: Subquery | None = None) -> 
         decayed(UserUsage.usage_seconds, UserUsage.as_of, now, half_life), 0.0
     ) + func.coalesce(active.c.running_time, 0.0)
     weight = func.coalesce(UserUsage.weight, 1.0)
-    query = select(
+    columns = [
         base.c.owner.label("owner"),
         usage.label("usage"),
         weight.label("weight"),
         func.coalesce(active.c.running, 0).label("running"),
         (usage / weight).label("key"),
-    )
+    ]
+    if window is not None:
+        ended = case((UserUsage.window_index == index, UserUsage.window_used), else_=0.0)
+        spent = func.coalesce(ended, 0.0) + func.coalesce(active.c.running_in_window, 0.0)
+        columns.append(spent.label("spent"))
+    query = select(*columns)
     if owners is not None:
         query = query.select_from(owners).outerjoin(active, active.c.owner == owners.c.owner)
     return query.outerjoin(UserUsage, UserUsage.owner == base.c.owner).subquery("standing")
@@ -173,24 +270,40 @@ def claim_order(
 
 
 def accrue(
-    session: Session, *, owner: str, since: datetime | None, gpus: int | None, half_life: float
+    session: Session, *, owner: str, since: datetime | None, gpus: int | None, rule: Rule
 ) -> None:
     """Add a run's time since ``since`` (its ``accrued_at``) to its owner's usage, decaying
-    what was there to the database's now first. Called in the transaction that ends the run."""
+    what was there to the database's now first, and its time within the current budget
+    window to the window's count (a count of an earlier window starts afresh). Called in the
+    transaction that ends the run."""
     if since is None:
         return
     rate = max(gpus or 0, 1)
-    added = seconds_between(literal(since, UTCDateTime()), db_now()) * rate
-    stmt = _insert(session).values(owner=owner, weight=1.0, usage_seconds=added, as_of=db_now())
+    ran = seconds_between(literal(since, UTCDateTime()), db_now())
+    index, into = window_of(db_now(), rule.window_seconds)
+    stmt = _insert(session).values(
+        owner=owner,
+        weight=1.0,
+        usage_seconds=ran * rate,
+        as_of=db_now(),
+        window_index=index,
+        window_used=lesser(ran, into) * rate,
+    )
+    same_window = UserUsage.window_index == stmt.excluded.window_index
     session.execute(
         stmt.on_conflict_do_update(
             index_elements=["owner"],
             set_={
                 "usage_seconds": decayed(
-                    UserUsage.usage_seconds, UserUsage.as_of, db_now(), half_life
+                    UserUsage.usage_seconds, UserUsage.as_of, db_now(), rule.half_life
                 )
                 + stmt.excluded.usage_seconds,
                 "as_of": stmt.excluded.as_of,
+                "window_used": case(
+                    (same_window, UserUsage.window_used + stmt.excluded.window_used),
+                    else_=stmt.excluded.window_used,
+                ),
+                "window_index": stmt.excluded.window_index,
             },
         )
     )
@@ -240,8 +353,12 @@ def queue(session: Session, rule: Rule, *, at: datetime | None = None) -> list[P
     ``share`` (a job of another owner who stands further below their share, or at equal
     standing runs fewer jobs, is ahead); ``age`` (only older jobs of equal standing are ahead,
     the owner's own included); ``per-user cap`` (the owner would reach the cap before this
-    job; no position). GPUs are not considered: the database does not know the slots."""
-    st = standings(now=at_time(at), half_life=rule.half_life)
+    job; no position); ``budget`` (the owner has spent the window's budget; no position until
+    the next window); ``no slot`` (the job needs more GPUs than any live worker's slot
+    holds, ``service.slots``; no position, and nothing said while no slot is live)."""
+    window = rule.window_seconds if rule.has_budget else None
+    st = standings(now=at_time(at), half_life=rule.half_life, window=window)
+    spent = st.c.spent if window is not None else literal(0.0, Float())
     rank = func.row_number().over(
         partition_by=Job.owner, order_by=(Job.priority.desc(), Job.created_at, Job.id)
     )
@@ -253,10 +370,12 @@ def queue(session: Session, rule: Rule, *, at: datetime | None = None) -> list[P
             Job.status,
             Job.priority,
             Job.created_at,
+            Job.gpus,
             st.c.usage,
             st.c.weight,
             st.c.running,
             st.c.key,
+            spent.label("spent"),
             (rank - 1).label("rank"),
         )
         .join(st, st.c.owner == Job.owner)
@@ -275,9 +394,18 @@ def queue(session: Session, rule: Rule, *, at: datetime | None = None) -> list[P
         )
     ).all()
     cap = rule.max_running_per_user
+    most_gpus = largest_slot(session, live_seconds=rule.slot_live_seconds)
+    held: dict[int, Reason] = {}  # jobs no claim would take now, and why
+    for row in rows:
+        if most_gpus is not None and (row.gpus or 0) > most_gpus:
+            held[row.id] = "no slot"
+        elif rule.has_budget and row.status == "queued" and row.spent >= rule.budget_seconds:
+            held[row.id] = "budget"
+        elif cap > 0 and row.running + row.rank >= cap:
+            held[row.id] = "per-user cap"
     reasons: dict[int, Reason] = {}
     # Only jobs the claims would take count as ahead of another.
-    line = [row for row in rows if not (cap > 0 and row.running + row.rank >= cap)]
+    line = [row for row in rows if row.id not in held]
     block = 0  # where the current priority's jobs start in ``line``
     other: int | None = None  # in that block, the first job of an owner not the block's first
     for i, row in enumerate(line):
@@ -301,8 +429,8 @@ def queue(session: Session, rule: Rule, *, at: datetime | None = None) -> list[P
     places: list[Place] = []
     position = 0
     for row in rows:
-        reason = reasons.get(row.id, "per-user cap")
-        if reason != "per-user cap":
+        reason = held.get(row.id) or reasons[row.id]
+        if row.id not in held:
             position += 1
         places.append(
             Place(
@@ -314,8 +442,8 @@ def queue(session: Session, rule: Rule, *, at: datetime | None = None) -> list[P
                 created_at=row.created_at,
                 usage=float(row.usage),
                 weight=float(row.weight),
-                position=None if reason == "per-user cap" else position,
-                ahead=position if reason == "per-user cap" else position - 1,
+                position=None if row.id in held else position,
+                ahead=position if row.id in held else position - 1,
                 reason=reason,
             )
         )
@@ -331,6 +459,7 @@ class Share:
     usage_share: float  # usage / all listed usage (0 when nobody used anything)
     standing: float  # usage / weight: the claim's key
     running: int
+    spent: float  # slot-seconds in the current budget window, running jobs included
 
 
 def shares(session: Session, rule: Rule, *, at: datetime | None = None) -> list[Share]:
@@ -341,8 +470,12 @@ def shares(session: Session, rule: Rule, *, at: datetime | None = None) -> list[
         select(UserUsage.owner.label("owner")),
         select(Job.owner.label("owner")).where(Job.status.in_(("queued", "running"))),
     ).subquery()
-    st = standings(now=at_time(at), half_life=rule.half_life, owners=names)
-    rows = session.execute(select(st.c.owner, st.c.usage, st.c.weight, st.c.running)).all()
+    st = standings(
+        now=at_time(at), half_life=rule.half_life, owners=names, window=rule.window_seconds
+    )
+    rows = session.execute(
+        select(st.c.owner, st.c.usage, st.c.weight, st.c.running, st.c.spent)
+    ).all()
     total_weight = sum(float(r[2]) for r in rows) or 1.0
     total_usage = sum(float(r[1]) for r in rows)
     out = [
@@ -354,6 +487,7 @@ def shares(session: Session, rule: Rule, *, at: datetime | None = None) -> list[
             usage_share=float(r[1]) / total_usage if total_usage > 0 else 0.0,
             standing=float(r[1]) / float(r[2]),
             running=int(r[3]),
+            spent=float(r[4]),
         )
         for r in rows
     ]

@@ -147,14 +147,14 @@ def claim_next(
     worker_id: str,
     lease_seconds: float,
     gpus_held: int,
-    max_running_per_user: int = 0,
-    half_life: float = fairshare.DEFAULT_HALF_LIFE,
+    rule: fairshare.Rule = fairshare.Rule(),
     skip_locked: bool = True,
     at: datetime | None = None,
 ) -> Claim | None:
     """Claim the next job in the fair-share order (``fairshare.claim_order``): highest
     priority, then the owner furthest below their share of recent use, then the owner with
-    fewer running jobs, then the oldest. Expired leases are reclaimed by the same query.
+    fewer running jobs, then the oldest, among owners under the per-user cap and within their
+    budget (``rule``). Expired leases are reclaimed by the same query, budget or not.
     ``at`` computes the order as of that instant instead of the database's now (tests and
     benchmarks; leases always use the database's clock).
 
@@ -162,7 +162,11 @@ def claim_next(
     workers pick different jobs; SQLite ignores FOR UPDATE, so the caller runs this in a
     BEGIN IMMEDIATE transaction (``Database.write``), which serializes claims.
     """
-    owner = fairshare.standings(now=fairshare.at_time(at), half_life=half_life)
+    owner = fairshare.standings(
+        now=fairshare.at_time(at),
+        half_life=rule.half_life,
+        window=rule.window_seconds if rule.has_budget else None,
+    )
     candidate = (
         select(Job.id)
         .join(owner, owner.c.owner == Job.owner)
@@ -174,8 +178,12 @@ def claim_next(
         )
         .limit(1)
     )
-    if max_running_per_user > 0:
-        candidate = candidate.where(owner.c.running < max_running_per_user)
+    if rule.max_running_per_user > 0:
+        candidate = candidate.where(owner.c.running < rule.max_running_per_user)
+    if rule.has_budget:
+        candidate = candidate.where(
+            or_(Job.status == "running", owner.c.spent < rule.budget_seconds)
+        )
     if skip_locked:
         candidate = candidate.with_for_update(skip_locked=True, of=Job)
     row = session.execute(
@@ -231,7 +239,7 @@ def finish(
     worker_id: str,
     status: str,
     error: str | None = None,
-    half_life: float = fairshare.DEFAULT_HALF_LIFE,
+    rule: fairshare.Rule = fairshare.Rule(),
 ) -> bool:
     """End a running job we hold, adding its run to its owner's usage. False if it is not
     ours any more."""
@@ -244,11 +252,11 @@ def finish(
     }
     if error is not None:
         values["error"] = error
-    return _end_run(session, job_id=job_id, worker_id=worker_id, values=values, half_life=half_life)
+    return _end_run(session, job_id=job_id, worker_id=worker_id, values=values, rule=rule)
 
 
 def _end_run(
-    session: Session, *, job_id: int, worker_id: str, values: dict[str, Any], half_life: float
+    session: Session, *, job_id: int, worker_id: str, values: dict[str, Any], rule: fairshare.Rule
 ) -> bool:
     """The fenced UPDATE that ends a run (finish or requeue), then the run's time added to
     its owner's usage in the same transaction. ``accrued_at`` is left as it was (only running
@@ -262,7 +270,7 @@ def _end_run(
     ).one_or_none()
     if row is None:
         return False
-    fairshare.accrue(session, owner=row[0], since=row[1], gpus=row[2], half_life=half_life)
+    fairshare.accrue(session, owner=row[0], since=row[1], gpus=row[2], rule=rule)
     return True
 
 
@@ -300,7 +308,7 @@ def requeue(
     job_id: int,
     worker_id: str,
     count_attempt: bool = True,
-    half_life: float = fairshare.DEFAULT_HALF_LIFE,
+    rule: fairshare.Rule = fairshare.Rule(),
 ) -> bool:
     """Put a running job we hold back in the queue (a retry, or a worker shutting down),
     adding the run to its owner's usage. ``count_attempt=False`` gives the attempt back: the
@@ -313,7 +321,7 @@ def requeue(
     }
     if not count_attempt:
         values["attempt"] = Job.attempt - 1
-    return _end_run(session, job_id=job_id, worker_id=worker_id, values=values, half_life=half_life)
+    return _end_run(session, job_id=job_id, worker_id=worker_id, values=values, rule=rule)
 
 
 def expire_abandoned(session: Session) -> int:

@@ -341,6 +341,22 @@ class UserUsage(Base):
     weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
     usage_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     as_of: Mapped[datetime]
+    # The budget (``HALFWAY_BUDGET_SLOT_HOURS``): slot-seconds of runs ended in budget window
+    # ``window_index`` (whole windows since fairshare.WINDOW_ORIGIN), undecayed.
+    window_index: Mapped[int | None] = mapped_column(BigInteger)
+    window_used: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+
+
+class WorkerSlot(Base):
+    """A training slot a worker (supervisor) offers: how many GPUs it holds, and when it last
+    said so, on the database's clock (service/slots.py). Lets the queue say that no slot can
+    take a job needing more GPUs than any holds. Removed when the worker stops cleanly."""
+
+    __tablename__ = "worker_slot"
+
+    worker_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    gpus: Mapped[int] = mapped_column(Integer, default=0)
+    seen_at: Mapped[datetime]
 
 
 class AuthState(Base):

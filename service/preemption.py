@@ -14,7 +14,8 @@ The rule. A running job R is asked to stop at its next checkpoint for a queued j
   ``service.fairshare``) is at most half of R's owner's (``FAR_BELOW``). The margin keeps two
   owners of nearly equal standing from taking the slot from each other back and forth;
 - W fits where R runs: W needs no more GPUs than R holds, and W's owner is under the
-  per-user cap (``HALFWAY_MAX_RUNNING_PER_USER``).
+  per-user cap (``HALFWAY_MAX_RUNNING_PER_USER``) and within their budget
+  (``HALFWAY_BUDGET_SLOT_HOURS``), as the claim requires.
 
 The waiting jobs are taken in claim order; the first that has an eligible R gets one, the
 victim being the lowest priority, then the owner furthest over their share (highest
@@ -31,7 +32,7 @@ A mark for a W that is no longer waiting (claimed elsewhere, cancelled) is dropp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
@@ -58,8 +59,7 @@ class Rule:
     enabled: bool = True
     after: float = 1800.0  # seconds R's run must have lasted
     wait: float = 30.0  # seconds W must have waited
-    half_life: float = fairshare.DEFAULT_HALF_LIFE
-    max_running_per_user: int = 0
+    fair: fairshare.Rule = field(default_factory=fairshare.Rule)  # W must be claimable by it
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Rule:
@@ -67,8 +67,7 @@ class Rule:
             enabled=settings.preemption == "on",
             after=settings.preempt_after,
             wait=settings.preempt_wait,
-            half_life=settings.fairshare_half_life,
-            max_running_per_user=settings.max_running_per_user,
+            fair=fairshare.Rule.from_settings(settings),
         )
 
 
@@ -99,7 +98,10 @@ def choose(session: Session, rule: Rule, *, at: datetime | None = None) -> Reque
     if not rule.enabled:
         return None
     now = fairshare.at_time(at)
-    st = fairshare.standings(now=now, half_life=rule.half_life)
+    fair = rule.fair
+    st = fairshare.standings(
+        now=now, half_life=fair.half_life, window=fair.window_seconds if fair.has_budget else None
+    )
     ran = fairshare.seconds_between(Job.accrued_at, now)
     running = session.execute(
         select(Job.id, Job.owner, Job.priority, Job.gpus, Job.spec, st.c.key, ran.label("ran"))
@@ -131,8 +133,10 @@ def choose(session: Session, rule: Rule, *, at: datetime | None = None) -> Reque
         )
         .limit(WAITING_SCAN)
     )
-    if rule.max_running_per_user > 0:
-        waiting = waiting.where(st.c.running < rule.max_running_per_user)
+    if fair.max_running_per_user > 0:
+        waiting = waiting.where(st.c.running < fair.max_running_per_user)
+    if fair.has_budget:  # an owner out of budget waits for the next window, not for a slot
+        waiting = waiting.where(st.c.spent < fair.budget_seconds)
     for w in session.execute(waiting):
         for r in victims:
             reason = why(w, r)

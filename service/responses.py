@@ -14,6 +14,8 @@ from pydantic import (
     Field,
 )
 
+from service.vocabulary import QueueReason
+
 
 def loss_flag(value: float | None) -> Literal["nan", "inf", "-inf"] | None:
     """JSON has no NaN: a non-finite float goes out as null plus this flag."""
@@ -171,13 +173,16 @@ class QueueSpot(BaseModel):
     """Where a queued job waits (docs/scheduling.md)."""
 
     position: int | None = Field(
-        description="1: the next claim takes it. Null: held back by the per-user cap."
+        description="1: the next claim takes it. Null: held back by the per-user cap, the "
+        "budget, or no slot with its GPUs."
     )
     ahead: int = Field(description="Jobs the claims take before it.")
-    reason: Literal["next", "priority", "share", "age", "per-user cap"] = Field(
+    reason: QueueReason = Field(
         description="next; priority (a higher-priority job is ahead); share (an owner further "
         "below their share is ahead); age (only older jobs of equal standing are ahead); "
-        "per-user cap (the owner runs as many jobs as a user may)."
+        "per-user cap (the owner runs as many jobs as a user may); budget (the owner has used "
+        "this window's slot-hours; it waits for the next window); no slot (it needs more GPUs "
+        "than any live worker's slot holds)."
     )
 
 
@@ -276,11 +281,19 @@ class ShareOut(BaseModel):
     usage_share: float = Field(description="usage / the sum of every listed usage.")
     standing: float = Field(description="usage / weight: the claim serves the lowest first.")
     running: int
+    window_spent_seconds: float = Field(
+        description="Slot-seconds (GPU-seconds) used in the current budget window, undecayed, "
+        "running jobs included."
+    )
 
 
 class SharesOut(BaseModel):
     items: list[ShareOut]
     half_life_seconds: float
+    budget_seconds: float | None = Field(
+        description="Slot-seconds each user's jobs may start within a window (null: no budget)."
+    )
+    window_seconds: float = Field(description="The budget window's length.")
 
 
 class JobPage(BaseModel):

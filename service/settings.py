@@ -104,6 +104,18 @@ class Settings(BaseSettings):
         description="Seconds after which a user's recorded use counts half in the fair-share "
         "order (docs/scheduling.md).",
     )
+    budget_slot_hours: float = Field(
+        default=0.0,
+        ge=0,
+        description="Slot-hours (GPU-hours) each user's jobs may start within one budget "
+        "window; 0: no budget (docs/scheduling.md).",
+    )
+    budget_window: float = Field(
+        default=7 * 86400.0,
+        ge=60,
+        description="Seconds in a budget window; windows are counted from Monday 1970-01-05 "
+        "00:00 UTC, so a week's starts on Monday and a day's at midnight UTC.",
+    )
     preemption: Literal["on", "off"] = Field(
         default="on",
         description="Preemption at checkpoints (docs/scheduling.md): off, no running job is "

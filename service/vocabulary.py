@@ -5,11 +5,13 @@ dashboard reads the same lists from ``GET /v1/vocabulary``."""
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal
 
 JOB_STATUSES: Final = ("queued", "running", "succeeded", "failed", "cancelled")
 # A job in one of these never changes status again.
 FINISHED_STATUSES: Final = ("succeeded", "failed", "cancelled")
+# Why a queued job waits (GET /v1/queue, a job's ``queue``; docs/scheduling.md).
+QueueReason = Literal["next", "priority", "share", "age", "per-user cap", "budget", "no slot"]
 # Why the loss scale changed at a step (GET /v1/jobs/{id}/loss-scale/events).
 SCALE_EVENT_REASONS: Final = ("overflow", "growth")
 # A gradient sample's figures (GET /v1/jobs/{id}/gradients), in the order every answer lists

@@ -21,6 +21,7 @@ from sqlalchemy.pool import NullPool
 from service import auth, migrate
 from service.app import create_app
 from service.db import Database, normalize_url
+from service.models import Base
 from service.settings import Settings
 from tests.turns import turn
 
@@ -31,7 +32,10 @@ pytest_plugins = ["tests.live", "tests.s3"]
 
 PG_URL = os.environ.get("HALFWAY_TEST_DATABASE_URL")
 BACKENDS = ["sqlite", "postgresql"] if PG_URL else ["sqlite"]
-TABLES = ("step", "step_rollup", "scale_event", "job", "sweep", '"user"', "user_usage")
+# Every table a test may write, emptied before each PostgreSQL test (one database per worker):
+# all of the models' but auth_state, whose one row the migrations insert. Listed from the
+# models, so that a new table cannot carry rows from one test into the next.
+TABLES = tuple(f'"{name}"' for name in sorted(Base.metadata.tables) if name != "auth_state")
 
 
 @pytest.fixture(scope="session")

@@ -163,7 +163,7 @@ def test_usage_decays_with_the_half_life_before_a_new_run_is_added(db: Database)
     with db.write() as s:
         s.execute(update(Job).where(Job.id == job_id).values(accrued_at=db_now(-4)))
     with db.write() as s:
-        assert jobs.requeue(s, job_id=job_id, worker_id="w", half_life=3600)
+        assert jobs.requeue(s, job_id=job_id, worker_id="w", rule=fairshare.Rule(half_life=3600))
     assert usage_of(db, "alice") == pytest.approx(5 + 4, abs=0.5)
 
 

@@ -15,13 +15,13 @@ import pytest
 from rich.console import Console
 from sqlalchemy import select, update
 
-from service import jobs, preemption
+from service import fairshare, jobs, preemption
 from service.client import tables
 from service.db import Database
 from service.dbclock import db_now
 from service.models import Job, UserUsage, utcnow
 from service.settings import Settings
-from tests.conftest import Api, Team
+from tests.conftest import BACKENDS, Api, Team
 from tests.reference import expected_scales
 from tests.test_claims import age_lease, claim, make_jobs
 from tests.test_fair_share import start_order
@@ -123,7 +123,9 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[preemption.Rule], preemption.Ru
     "lower priority": ({"wspec": {"priority": 40}}, lambda r: r),
     "the owner is at the per-user cap": (
         {"bob_runs": True},
-        lambda r: preemption.Rule(after=r.after, wait=r.wait, max_running_per_user=1),
+        lambda r: preemption.Rule(
+            after=r.after, wait=r.wait, fair=fairshare.Rule(max_running_per_user=1)
+        ),
     ),
 }
 
@@ -430,7 +432,14 @@ def test_a_preemption_whose_checkpoint_cannot_reach_the_store_leaves_a_job_that_
         assert long["history_reset_step"] == entry["step"]
 
 
+# Eight real Keras trainings in a row (a minute and a half): on one database, the team's
+# (PostgreSQL) where the suite has it; the fake-trainer scenario runs on both
+# (test_fair_share.py) and the real-Keras resumes above on both.
+ONE_DATABASE = ["postgresql" if "postgresql" in BACKENDS else "sqlite"]
+
+
 @pytest.mark.keras
+@pytest.mark.parametrize("db_url", ONE_DATABASE, indirect=True)
 def test_one_keras_slot_the_second_member_s_jobs_start_before_the_first_member_s_last_three(
     api: Api, team: Team, db: Database, settings: Settings
 ) -> None:

@@ -45,7 +45,11 @@ def step(db: Database, rng: random.Random, cap: int) -> None:
     elif action == "claim":
         with db.write() as s:
             jobs.claim_next(
-                s, worker_id="w", lease_seconds=60, gpus_held=0, max_running_per_user=cap
+                s,
+                worker_id="w",
+                lease_seconds=60,
+                gpus_held=0,
+                rule=fairshare.Rule(max_running_per_user=cap),
             )
     elif action == "finish" and (running := ids(db, "running")):
         with db.write() as s:
@@ -68,7 +72,7 @@ def claims_at(db: Database, instant: datetime, cap: int) -> list[int]:
                 worker_id="probe",
                 lease_seconds=60,
                 gpus_held=0,
-                max_running_per_user=cap,
+                rule=fairshare.Rule(max_running_per_user=cap),
                 at=instant,
             )
         ) is not None:

@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
 
+from service import fairshare
 from service.db import Database
 from service.models import Job, utcnow
 from service.settings import Settings
@@ -100,7 +101,7 @@ def test_priority_beats_fairness(db: Database) -> None:
 def test_per_user_running_limit(db: Database) -> None:
     make_jobs(db, 5, owner="alice")
     (bobs,) = make_jobs(db, 1, owner="bob")
-    got = [claim(db, f"w{i}", max_running_per_user=2) for i in range(5)]
+    got = [claim(db, f"w{i}", rule=fairshare.Rule(max_running_per_user=2)) for i in range(5)]
     claimed = [c.job_id for c in got if c is not None]
     assert len(claimed) == 3 and bobs in claimed  # two of alice's, bob's one, then nothing
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
-from service import epochmetrics, gradients, grants, jobs, preemption
+from service import epochmetrics, fairshare, gradients, grants, jobs, preemption, slots
 from service.db import Database
 from service.heldflush import HeldAppender
 from service.records import StepRecord
@@ -54,6 +54,7 @@ class Supervisor:
     ) -> None:
         self.db = db
         self.settings = settings
+        self.fair = fairshare.Rule.from_settings(settings)  # the claim order and usage
         self.trainer = trainer
         self.worker_id = worker_id or new_worker_id()
         self.gpu_ids = list(gpu_ids or [])
@@ -99,7 +100,13 @@ class Supervisor:
         self.stop_event.set()
 
     def close(self) -> None:
-        """Close the supervisor's own database connection (the flushes'), if it has one."""
+        """Withdraw this worker's slot, and close its own database connection (the
+        flushes'), if it has one."""
+        try:
+            with self.db.write() as session:
+                slots.withdraw(session, worker_id=self.worker_id)
+        except DBAPIError as exc:  # the slot ages out instead (slots.largest)
+            log.warning("could not withdraw slot %s: %s", self.worker_id, exc.orig)
         if self.appender is not None:
             self.appender.close()
 
@@ -125,13 +132,13 @@ class Supervisor:
             return False
         with self.db.write() as session:
             jobs.expire_abandoned(session)
+            slots.offer(session, worker_id=self.worker_id, gpus=len(self.gpu_ids))
             claim = jobs.claim_next(
                 session,
                 worker_id=self.worker_id,
                 lease_seconds=self.settings.lease_seconds,
                 gpus_held=len(self.gpu_ids),
-                max_running_per_user=self.settings.max_running_per_user,
-                half_life=self.settings.fairshare_half_life,
+                rule=self.fair,
             )
         if claim is None:
             return False
@@ -442,7 +449,7 @@ class Supervisor:
                         session,
                         job_id=run.job_id,
                         worker_id=self.worker_id,
-                        half_life=self.settings.fairshare_half_life,
+                        rule=self.fair,
                     )
                     return outcome if ok else lost
                 outcome = Outcome(
@@ -460,7 +467,7 @@ class Supervisor:
                     job_id=run.job_id,
                     worker_id=self.worker_id,
                     count_attempt=False,
-                    half_life=self.settings.fairshare_half_life,
+                    rule=self.fair,
                 )
                 return outcome if ok else lost
             ok = jobs.finish(
@@ -469,7 +476,7 @@ class Supervisor:
                 worker_id=self.worker_id,
                 status=outcome.status,
                 error=outcome.error,
-                half_life=self.settings.fairshare_half_life,
+                rule=self.fair,
             )
             if not ok:
                 return lost
@@ -500,7 +507,7 @@ class Supervisor:
                     worker_id=worker_id,
                     status="failed",
                     error=error,
-                    half_life=self.settings.fairshare_half_life,
+                    rule=self.fair,
                 )
             ):
                 return Outcome("lost", "the job was no longer ours when it was refused")

@@ -61,6 +61,8 @@ REASONS = {
     "share": "owners further below their share ahead",
     "age": "older jobs ahead",
     "per-user cap": "the owner runs as many jobs as a user may",
+    "budget": "the owner has used this window's budget",
+    "no slot": "no worker's slot holds the GPUs it needs",
 }
 
 

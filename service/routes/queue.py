@@ -2,8 +2,9 @@
 
 ``GET /v1/queue``: every queued job in the order the claims take them, with its position, why
 it waits, and its owner's recent use, weight and standing. ``GET /v1/users/shares`` (admins):
-every user's weight, share and recent use. ``PUT /v1/users/{name}/share`` (admins): set a
-user's weight. ``install`` registers the routes and gives the job answers the app's rule.
+every user's weight, share, recent use and use in the budget window.
+``PUT /v1/users/{name}/share`` (admins): set a user's weight. ``install`` registers the
+routes and gives the job answers the app's rule.
 """
 
 from __future__ import annotations
@@ -28,10 +29,7 @@ UserName = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[^\x00]+$
 
 
 def rule(settings: Settings) -> fairshare.Rule:
-    return fairshare.Rule(
-        half_life=settings.fairshare_half_life,
-        max_running_per_user=settings.max_running_per_user,
-    )
+    return fairshare.Rule.from_settings(settings)
 
 
 def install(app: FastAPI, settings: Settings) -> None:
@@ -74,6 +72,7 @@ def get_queue(session: SessionDep, settings: SettingsDep, _: PrincipalDep) -> Qu
 def get_shares(session: SessionDep, settings: SettingsDep, principal: PrincipalDep) -> SharesOut:
     """Every user's weight, share and recent use, the next to be served first (admins)."""
     _require_admin(principal, "read every user's share")
+    fair = rule(settings)
     return SharesOut(
         items=[
             ShareOut(
@@ -84,10 +83,13 @@ def get_shares(session: SessionDep, settings: SettingsDep, principal: PrincipalD
                 usage_share=s.usage_share,
                 standing=s.standing,
                 running=s.running,
+                window_spent_seconds=s.spent,
             )
-            for s in fairshare.shares(session, rule(settings))
+            for s in fairshare.shares(session, fair)
         ],
-        half_life_seconds=settings.fairshare_half_life,
+        half_life_seconds=fair.half_life,
+        budget_seconds=fair.budget_seconds if fair.has_budget else None,
+        window_seconds=fair.window_seconds,
     )
 
 

@@ -25,6 +25,8 @@ const REASONS = { // why a queued job waits (docs/scheduling.md)
   share: "owners further below their share ahead",
   age: "older jobs ahead",
   "per-user cap": "the owner runs as many jobs as a user may",
+  budget: "the owner has used this window's budget",
+  "no slot": "no worker's slot holds the GPUs it needs",
 };
 const LOG_TAIL = 256 * 1024; // what opening the log shows of a long one
 const LOG_KEEP = 1024 * 1024; // characters kept in the page; older ones are dropped
