@@ -1,6 +1,6 @@
 """What the API answers: jobs and their summaries, history pages (rows, columns, buckets),
 scale events, comparisons, sweeps, policies and errors. Built from ORM rows and domain
-results; what users write (the job spec) is in service/schemas.py."""
+results; what users write (the job spec) is in service/schemas/."""
 
 from __future__ import annotations
 

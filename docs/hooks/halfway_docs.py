@@ -177,7 +177,7 @@ def spec_reference() -> str:
     out = [
         "## Reference",
         "",
-        "Generated from the pydantic models in `service/schemas.py` when the site is built.",
+        "Generated from the pydantic models in `service/schemas/` when the site is built.",
         "",
     ]
     shown: set[type[BaseModel]] = set()
