@@ -7,9 +7,12 @@ so every claim sees the same queue) with
   baseline: ``baseline_claim``;
 - the fair-share order (``service.jobs.claim_next``: priority, usage / weight, running jobs,
   age);
+- the same with a budget of slot-hours per window (``HALFWAY_BUDGET_SLOT_HOURS``), about half
+  of the users over it;
 
-in interleaved rounds (baseline, fair share, baseline, ...), their ratio, and the time of the
-whole queue's positions (``service.fairshare.queue``, what ``GET /v1/queue`` reads).
+in interleaved rounds (baseline, fair share, budget, baseline, ...), their ratios, and the
+time of the whole queue's positions (``service.fairshare.queue``, what ``GET /v1/queue``
+reads), without and with the budget.
 
     .venv/bin/python benchmarks/claim.py
     .venv/bin/python benchmarks/claim.py --databases sqlite,postgresql://root@127.0.0.1:5432/bench_claim
@@ -82,17 +85,29 @@ def baseline_claim(session: Session, worker_id: str) -> int | None:
     return None if row is None else int(row[0])
 
 
+BUDGET = fairshare.Rule(budget_seconds=40 * 3600.0)  # 40 slot-hours a week
+
+
 def fair_claim(session: Session, worker_id: str) -> int | None:
     claim = jobs.claim_next(session, worker_id=worker_id, lease_seconds=30, gpus_held=0)
     return None if claim is None else claim.job_id
 
 
+def budget_claim(session: Session, worker_id: str) -> int | None:
+    claim = jobs.claim_next(
+        session, worker_id=worker_id, lease_seconds=30, gpus_held=0, rule=BUDGET
+    )
+    return None if claim is None else claim.job_id
+
+
 def fill(db: Database, users: int, queued: int, running: int) -> None:
     """``queued`` jobs round the users, in random order of age; ``running`` of them claimed;
-    every user with some recorded use, recorded at different times."""
+    every user with some recorded use, recorded at different times, and this budget window's
+    use between none and twice the budget (the first user's none)."""
     rng = random.Random(7)
     spec = JobSpec().model_dump(mode="json")
     now = utcnow()
+    window = int((now - fairshare.WINDOW_ORIGIN).total_seconds() // BUDGET.window_seconds)
     rows: list[dict[str, Any]] = []
     for i in range(queued):
         owner = f"user{i % users:03d}"
@@ -132,6 +147,8 @@ def fill(db: Database, users: int, queued: int, running: int) -> None:
                     "weight": rng.choice((1.0, 1.0, 2.0)),
                     "usage_seconds": rng.uniform(0, 50_000),
                     "as_of": now - timedelta(seconds=rng.uniform(0, 3600)),
+                    "window_index": window,
+                    "window_used": 0.0 if u == 0 else rng.uniform(0, 2 * BUDGET.budget_seconds),
                 }
                 for u in range(users)
             ],
@@ -161,20 +178,27 @@ def bench(url: str, users: int, queued: int, running: int, rounds: int, per_roun
         assert baseline_claim(s, "w") is not None  # warm both statements' plans and caches
         s.rollback()
     timed(db, fair_claim)
-    times: dict[str, list[float]] = {"baseline": [], "fair": [], "positions": []}
+    timed(db, budget_claim)
+    claims = (("baseline", baseline_claim), ("fair", fair_claim), ("budget", budget_claim))
+    times: dict[str, list[float]] = {name: [] for name, _ in claims}
+    times.update(positions=[], budget_positions=[])
     for _ in range(rounds):
-        for name, claim in (("baseline", baseline_claim), ("fair", fair_claim)):
+        for name, claim in claims:
             times[name].append(statistics.median(timed(db, claim) for _ in range(per_round)))
-        with db.read() as s:
-            start = time.perf_counter()
-            places = fairshare.queue(s, fairshare.Rule())
-            times["positions"].append(time.perf_counter() - start)
-        assert len(places) == queued - running
+        for name, rule in (("positions", fairshare.Rule()), ("budget_positions", BUDGET)):
+            with db.read() as s:
+                start = time.perf_counter()
+                places = fairshare.queue(s, rule)
+                times[name].append(time.perf_counter() - start)
+            assert len(places) == queued - running
     med = {name: statistics.median(values) for name, values in times.items()}
     print(f"  claim, today's order       {med['baseline'] * 1000:8.2f} ms")
     print(f"  claim, fair-share order    {med['fair'] * 1000:8.2f} ms")
     print(f"  fair share / today's       {med['fair'] / med['baseline']:8.2f}x")
-    print(f"  the whole queue's places   {med['positions'] * 1000:8.2f} ms", flush=True)
+    print(f"  claim, with a budget       {med['budget'] * 1000:8.2f} ms")
+    print(f"  budget / fair share        {med['budget'] / med['fair']:8.2f}x")
+    print(f"  the whole queue's places   {med['positions'] * 1000:8.2f} ms")
+    print(f"  the same, with a budget    {med['budget_positions'] * 1000:8.2f} ms", flush=True)
     db.dispose()
 
 
