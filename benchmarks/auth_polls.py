@@ -25,9 +25,10 @@ import httpx
 import results
 import uvicorn
 
-from service import auth, authcache, migrate
-from service.app import create_app
-from service.db import Database
+from service.api.app import create_app
+from service.database import migrate
+from service.database.db import Database
+from service.people import auth, authcache
 from service.settings import Settings
 
 

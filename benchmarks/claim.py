@@ -5,13 +5,13 @@ so every claim sees the same queue) with
 
 - today's order before fair share (priority, the owner's running jobs, age), kept here as the
   baseline: ``baseline_claim``;
-- the fair-share order (``service.jobs.claim_next``: priority, usage / weight, running jobs,
-  age);
+- the fair-share order (``service.scheduling.jobs.claim_next``: priority, usage / weight, running
+  jobs, age);
 - the same with a budget of slot-hours per window (``HALFWAY_BUDGET_SLOT_HOURS``), about half
   of the users over it;
 
 in interleaved rounds (baseline, fair share, budget, baseline, ...), their ratios, and the
-time of the whole queue's positions (``service.fairshare.queue``, what ``GET /v1/queue``
+time of the whole queue's positions (``service.scheduling.fairshare.queue``, what ``GET /v1/queue``
 reads), without and with the budget.
 
     .venv/bin/python benchmarks/claim.py
@@ -41,15 +41,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results
 from history import fresh_database
 
-from service import fairshare, jobs
-from service.db import Database
-from service.dbclock import db_now
-from service.models import Job, UserUsage, utcnow
-from service.schemas import JobSpec
+from service.database.db import Database
+from service.database.dbclock import db_now
+from service.database.models import Job, UserUsage, utcnow
+from service.scheduling import fairshare, jobs
+from service.specs.schemas import JobSpec
 
 
 def baseline_claim(session: Session, worker_id: str) -> int | None:
-    """The claim as it was before fair share (service/jobs.py at 0008), for comparison."""
+    """The claim as it was before fair share (service/scheduling/jobs.py at 0008), for
+    comparison."""
     other = aliased(Job)
     running_for_owner = (
         select(func.count())

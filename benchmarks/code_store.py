@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results
 from storage_and_launch import moto
 
-from service import code, codestore
 from service.client import codepack
-from service.storage import FileStore, S3Store, Store, s3_client
+from service.files import code, codestore
+from service.files.storage import FileStore, S3Store, Store, s3_client
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMITS = (50 * 1024**2, 10_000, 100.0)

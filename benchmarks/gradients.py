@@ -84,7 +84,7 @@ from recording_overhead import (
     spread,
 )
 
-from service.schemas import GradientsSpec
+from service.specs.schemas import GradientsSpec
 from workers import data as data_mod
 from workers.checkpointer import Checkpointer
 from workers.context import RunContext

@@ -49,12 +49,15 @@ import httpx
 import results
 from sqlalchemy import text
 
-from service import auth, jobs, migrate, rollups
-from service.db import Database
-from service.models import utcnow
-from service.records import StepRecord
-from service.schemas import JobSpec, SubmitResult
+from service.database import migrate
+from service.database.db import Database
+from service.database.models import utcnow
+from service.people import auth
+from service.recording import rollups
+from service.recording.records import StepRecord
+from service.scheduling import jobs
 from service.settings import Settings
+from service.specs.schemas import JobSpec, SubmitResult
 from workers.attempt import Attempt
 from workers.supervisor import Supervisor
 

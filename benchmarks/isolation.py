@@ -44,7 +44,7 @@ import results
 from machine import cpu_model
 from storage_and_launch import example_checkpoint, example_spec
 
-from service.storage import FileStore, StorageConfig
+from service.files.storage import FileStore, StorageConfig
 from workers import checkpoints, child, sandbox
 from workers.launchers import LocalLauncher
 from workers.staging import JobFiles

@@ -33,13 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results
 from history import fresh_database, new_job
 
-from service import joblist
-from service.db import Database
-from service.etag import serialize
-from service.models import Job
-from service.pollcache import ListKey, PollCache
-from service.responses import JobPage
-from service.routes.jobs import job_listing, job_out
+from service.api import joblist
+from service.api.etag import serialize
+from service.api.pollcache import ListKey, PollCache
+from service.api.responses import JobPage
+from service.api.routes.jobs import job_listing, job_out
+from service.database.db import Database
+from service.database.models import Job
 
 
 def whole_page(db: Database, limit: int) -> bytes:

@@ -70,7 +70,7 @@ def wipe(url: str) -> None:
         return
     from sqlalchemy import create_engine, text
 
-    from service.db import normalize_url
+    from service.database.db import normalize_url
 
     engine = create_engine(normalize_url(url))
     with engine.begin() as conn:
@@ -79,8 +79,9 @@ def wipe(url: str) -> None:
 
 
 def make_token(url: str) -> str:
-    from service import auth, migrate
-    from service.db import Database
+    from service.database import migrate
+    from service.database.db import Database
+    from service.people import auth
 
     db = Database.connect(url)
     migrate.upgrade(db.engine)
@@ -97,14 +98,14 @@ class Progress:
     cent either way, as much as the effect being measured."""
 
     def __init__(self, url: str) -> None:
-        from service.db import Database
+        from service.database.db import Database
 
         self.db = Database.connect(url)
         self.postgresql = url.startswith("postgresql")
 
     def read(self, job_id: int) -> tuple[int, float, str]:
         """(last step, its flush time in seconds, status)."""
-        from service.models import Job
+        from service.database.models import Job
 
         with self.db.read() as session:
             job = session.get(Job, job_id)

@@ -55,9 +55,9 @@ import numpy as np
 import results
 import tensorflow as tf
 
-from service.normalization import normalize
-from service.schemas import JobSpec
 from service.settings import Settings
+from service.specs.normalization import normalize
+from service.specs.schemas import JobSpec
 from workers import data as data_mod
 from workers.builders import build_model
 from workers.checkpointer import Checkpointer

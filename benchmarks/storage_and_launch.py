@@ -61,9 +61,9 @@ def moto() -> tuple[subprocess.Popen[bytes], str]:
 
 
 def example_spec(tmp: Path) -> dict[str, Any]:
-    from service.normalization import normalize
-    from service.schemas import JobSpec
     from service.settings import Settings
+    from service.specs.normalization import normalize
+    from service.specs.schemas import JobSpec
 
     body = json.loads((ROOT / "examples" / "classic.json").read_text())
     spec: dict[str, Any] = normalize(
@@ -102,7 +102,7 @@ def fmt(values: list[float]) -> str:
 
 
 def bench_checkpoints(rounds: int) -> None:
-    from service.storage import FileStore, S3Store, s3_client
+    from service.files.storage import FileStore, S3Store, s3_client
 
     proc, endpoint = moto()
     try:
@@ -134,7 +134,7 @@ def bench_launch(rounds: int) -> None:
     )
     from ray.cluster_utils import Cluster
 
-    from service.storage import StorageConfig
+    from service.files.storage import StorageConfig
     from workers import child, sandbox
     from workers.launchers import Launcher, LocalLauncher
     from workers.ray_launcher import RayLauncher

@@ -1,5 +1,5 @@
-"""Alembic environment. Run through ``halfway db upgrade`` (``service.migrate``), which passes
-the URL in; ``alembic -c migrations/alembic.ini`` works too with HALFWAY_DATABASE_URL set."""
+"""Alembic environment. Run through ``halfway db upgrade`` (``service.database.migrate``), which
+passes the URL in; ``alembic -c migrations/alembic.ini`` works too with HALFWAY_DATABASE_URL set."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 from alembic import context
 from sqlalchemy import Connection
 
-from service.db import make_engine
-from service.models import Base
+from service.database.db import make_engine
+from service.database.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 from sqlalchemy.orm import Session
 
-from service import auth, grants, migrate
 from service.client import commands as client_commands
-from service.db import Database
+from service.database import migrate
+from service.database.db import Database
+from service.people import auth, grants
 from service.priority import lower_this_thread
 from service.settings import Settings
 
@@ -78,7 +79,7 @@ def serve(
     """Run the API (and, by default, an embedded worker), applying migrations first."""
     import uvicorn
 
-    from service.app import create_app
+    from service.api.app import create_app
     from workers.supervisor import Supervisor
 
     _setup_logging(json_logs)
@@ -317,9 +318,9 @@ def _change_user(
     name: str, change: Callable[[Session], _T], done: Callable[[_T], str | None]
 ) -> _T:
     """Apply a change to a user, then wait until every API process on the database has seen
-    it (service/authcache.py), so what the command took away is refused once it returns."""
-    from service.authcache import settle
+    it (service/people/authcache.py), so what the command took away is refused once it returns."""
     from service.errors import HalfwayError
+    from service.people.authcache import settle
 
     settings = Settings()
     db = _database(settings)
@@ -420,7 +421,7 @@ def users_revoke(name: str, right: Right) -> None:
 def users_shares() -> None:
     """Each user's fair-share weight, share, recent use and standing (docs/scheduling.md),
     the next to be served first."""
-    from service import fairshare
+    from service.scheduling import fairshare
 
     settings = Settings()
     db = _database(settings)
@@ -451,8 +452,8 @@ def users_shares() -> None:
 @users_app.command("share")
 def users_share(name: str, weight: Annotated[float, typer.Argument(min=0.000001)]) -> None:
     """Set a user's fair-share weight (1 by default): twice the weight, twice the share."""
-    from service import fairshare
     from service.errors import HalfwayError
+    from service.scheduling import fairshare
 
     settings = Settings()
     db = _database(settings)

@@ -1,4 +1,4 @@
-"""Domain exceptions raised below the routes; ``service.app`` maps each to one HTTP status."""
+"""Domain exceptions raised below the routes; ``service.api.app`` maps each to one HTTP status."""
 
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ from sqlalchemy import Float, Integer, Select, case, cast, func, select
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.db import Database
-from service.models import FINISHED_STATUSES, JOB_STATUSES, Job
+from service.database.db import Database
+from service.database.models import FINISHED_STATUSES, JOB_STATUSES, Job
 
 REQUEST_LATENCY = Histogram(
     "halfway_http_request_duration_seconds",

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.storage import StorageConfig, check_storage_url
+from service.files.storage import StorageConfig, check_storage_url
 
 DEFAULT_HOME = Path(".halfway")
 

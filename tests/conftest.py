@@ -18,10 +18,11 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from service import auth, migrate
-from service.app import create_app
-from service.db import Database, normalize_url
-from service.models import Base
+from service.api.app import create_app
+from service.database import migrate
+from service.database.db import Database, normalize_url
+from service.database.models import Base
+from service.people import auth
 from service.settings import Settings
 from tests.turns import turn
 

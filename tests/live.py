@@ -19,8 +19,8 @@ import httpx
 import pytest
 import uvicorn
 
-from service.app import create_app
-from service.db import Database
+from service.api.app import create_app
+from service.database.db import Database
 from service.settings import Settings
 from tests.conftest import Team
 from workers.supervisor import Supervisor

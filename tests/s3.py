@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.files.storage import Storage, StorageConfig, open_storage, s3_client
 from service.settings import Settings
-from service.storage import Storage, StorageConfig, open_storage, s3_client
 
 MOTO_SERVER = str(Path(sys.executable).parent / "moto_server")
 # moto accepts any credentials; these keep boto3 from looking for real ones.

@@ -17,7 +17,7 @@ def main() -> None:
     worker_id = sys.argv[1]
     print(f"wall clock: {time.time():.3f}", flush=True)
 
-    from service.db import Database
+    from service.database.db import Database
     from service.logs import configure
     from service.settings import Settings
     from tests import fakes

@@ -1,5 +1,5 @@
 """``/docs`` (Swagger UI) and ``/redoc`` (ReDoc) work on a server cut off from the internet:
-every script, style and icon they load is shipped in the package (``service/docs_pages.py``).
+every script, style and icon they load is shipped in the package (``service/api/docs_pages.py``).
 
 The browser test opens both pages in headless Chromium with every request that would leave
 loopback aborted and recorded, and finds each UI drawn from the API's own document. The
@@ -21,9 +21,9 @@ from fastapi.testclient import TestClient
 from playwright.sync_api import Browser, BrowserContext, Route, expect
 from playwright.sync_api import Request as BrowserRequest
 
-from service.app import create_app
-from service.db import Database
-from service.routes.dashboard import STATIC
+from service.api.app import create_app
+from service.api.routes.dashboard import STATIC
+from service.database.db import Database
 from service.settings import Settings
 from tests.test_dashboard import serve
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from service import history
-from service.db import Database
-from service.models import Job, utcnow
-from service.records import StepRecord
-from service.responses import HistoryPage
+from service.api.responses import HistoryPage
+from service.database.db import Database
+from service.database.models import Job, utcnow
+from service.recording import history
+from service.recording.records import StepRecord
 from tests.conftest import Api, Team
 from tests.waiting import eventually
 
@@ -324,7 +324,7 @@ def test_poll_cache_answers_repeated_polls_without_the_database(
     from fastapi.testclient import TestClient
     from sqlalchemy import event
 
-    from service.app import create_app
+    from service.api.app import create_app
 
     settings.poll_cache_seconds = 60  # long enough that this test never sees it expire
     with TestClient(create_app(settings, db, auth=True)) as client:

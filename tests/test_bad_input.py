@@ -29,9 +29,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service.app import create_app
-from service.db import Database
-from service.models import Job, Sweep
+from service.api.app import create_app
+from service.database.db import Database
+from service.database.models import Job, Sweep
 from service.settings import Settings
 from tests.conftest import Api, Team
 from workers.data import load_arrays

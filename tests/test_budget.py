@@ -1,4 +1,4 @@
-"""The optional budget of slot-hours per user per window (service/fairshare.py), on both
+"""The optional budget of slot-hours per user per window (service/scheduling/fairshare.py), on both
 databases: what a run adds to its window, a new window starting from nothing, the claim and
 the queue holding an owner who spent the budget (and only queued jobs), preemption never made
 for such an owner, and the API and CLI that show it."""
@@ -11,10 +11,11 @@ import pytest
 from sqlalchemy import select, update
 from typer.testing import CliRunner
 
-from service import cli, fairshare, jobs, preemption
-from service.db import Database
-from service.dbclock import db_now
-from service.models import Job, UserUsage
+from service import cli
+from service.database.db import Database
+from service.database.dbclock import db_now
+from service.database.models import Job, UserUsage
+from service.scheduling import fairshare, jobs, preemption
 from service.settings import Settings
 from tests.conftest import Api, Team
 from tests.test_claims import age_lease, claim, make_jobs
@@ -210,7 +211,7 @@ def test_the_api_and_cli_show_the_window_and_the_reason(
 ) -> None:
     from fastapi.testclient import TestClient
 
-    from service.app import create_app
+    from service.api.app import create_app
 
     spend(db, "alice", 3 * HOUR, index_at(database_now(db)))
     with TestClient(create_app(budget_settings, db, auth=True)) as client:

@@ -7,11 +7,11 @@ from datetime import timedelta
 
 from sqlalchemy import update
 
-from service import jobs
-from service.db import Database
-from service.dbclock import db_now
-from service.models import Job, utcnow
-from service.schemas import JobSpec, SubmitResult
+from service.database.db import Database
+from service.database.dbclock import db_now
+from service.database.models import Job, utcnow
+from service.scheduling import jobs
+from service.specs.schemas import JobSpec, SubmitResult
 
 
 def make_jobs(db: Database, n: int, owner: str = "alice", **spec: object) -> list[int]:

@@ -24,8 +24,8 @@ from service.client import (
     Unauthorized,
     Unreachable,
 )
-from service.models import Job, float32
-from service.records import StepRecord
+from service.database.models import Job, float32
+from service.recording.records import StepRecord
 from tests.live import Live, free_port
 from tests.test_client_cli import TINY, finish_directly, records_with_overflows
 from tests.waiting import eventually

@@ -19,12 +19,13 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
-from service import history, jobs
 from service.cli import app as cli_app
 from service.client import Client, ExitCode, UsageError, resolve_target, tables, watching
 from service.client import commands as client_commands
-from service.models import Job, float32, utcnow
-from service.records import StepRecord
+from service.database.models import Job, float32, utcnow
+from service.recording import history
+from service.recording.records import StepRecord
+from service.scheduling import jobs
 from tests import fakes
 from tests.live import CLIENT_ENV, Live, free_port, halfway
 from tests.waiting import eventually

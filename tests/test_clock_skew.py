@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, make_url, select, text
 
-from service import jobs
-from service.db import Database, normalize_url
-from service.models import Job, Step, utcnow
+from service.database.db import Database, normalize_url
+from service.database.models import Job, Step, utcnow
+from service.scheduling import jobs
 from service.settings import Settings
 from tests.conftest import TABLES
 from tests.test_supervisor import load, make_job
@@ -70,7 +70,7 @@ class Workers:
 @pytest.fixture
 def db_url(pg_database: str) -> str:
     """PostgreSQL only. A skew is between hosts, and hosts share a database only on
-    PostgreSQL: SQLite's clock is the host's (service/dbclock.py), read in each process, so
+    PostgreSQL: SQLite's clock is the host's (service/database/dbclock.py), read in each process, so
     a process whose clock is shifted shifts its SQLite clock along with it."""
     engine = create_engine(normalize_url(pg_database))
     with engine.begin() as conn:

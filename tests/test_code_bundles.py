@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from service.client import codepack
-from service.db import Database
+from service.database.db import Database
 from service.settings import Settings
 from tests.conftest import Api, Team
 
@@ -289,7 +289,7 @@ def test_a_module_that_does_not_parse_is_named_with_its_line(admin: Api) -> None
 
 
 def _grant(db: Database, name: str) -> None:
-    from service import grants
+    from service.people import grants
 
     with db.write() as session:
         grants.grant(session, name, "code")
@@ -341,7 +341,7 @@ def test_users_cli_grants_and_revokes_code(
             [*halfway, *args], env=env, capture_output=True, text=True, timeout=60
         )
 
-    from service import grants
+    from service.people import grants
 
     def holds(name: str) -> bool:
         with db.read() as session:
@@ -388,9 +388,9 @@ def test_pack_skips_vcs_caches_venvs_and_ignored(tmp_path: Path) -> None:
 def test_code_modules_of_the_api_import_no_tensorflow() -> None:
     code = (
         "import sys\n"
-        "import service.code, service.grants\n"
+        "import service.files.code, service.people.grants\n"
         "import service.client.codepack, service.client.code_commands\n"
-        "import service.routes.code, workers.supervisor\n"
+        "import service.api.routes.code, workers.supervisor\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras'))\n"
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service import code, codestore
-from service.app import create_app
+from service.api.app import create_app
 from service.client import codepack
-from service.db import Database
+from service.database.db import Database
+from service.files import code, codestore
+from service.files.storage import FileStore
 from service.settings import Settings
-from service.storage import FileStore
 from tests.conftest import Api, Team
 
 MODEL_PY = "def build(args):\n    return {}\n"

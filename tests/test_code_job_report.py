@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from service import code, codestore
 from service.client.codepack import pack
+from service.files import code, codestore
+from service.files.storage import open_storage
 from service.settings import Settings
-from service.storage import open_storage
 from tests.test_usercode import Bundle, run_code
 
 pytestmark = pytest.mark.keras

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from service.client import codepack
-from service.db import Database
+from service.database.db import Database
 from service.settings import Settings
 from tests.live import Live, halfway
 from tests.reference import expected_scales

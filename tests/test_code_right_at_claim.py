@@ -12,10 +12,10 @@ from typing import Any, Literal
 import pytest
 from fastapi.testclient import TestClient
 
-from service import auth, grants
-from service.app import create_app
-from service.db import Database
-from service.models import Job
+from service.api.app import create_app
+from service.database.db import Database
+from service.database.models import Job
+from service.people import auth, grants
 from service.settings import Settings
 from tests import fakes
 from tests.conftest import Api, Team

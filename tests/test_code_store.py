@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from service import codestore
-from service.app import create_app
+from service.api.app import create_app
 from service.client import codepack
-from service.code import tree_digest
-from service.db import Database
+from service.database.db import Database
 from service.errors import NotFound
+from service.files import codestore
+from service.files.code import tree_digest
+from service.files.storage import Storage, Store, open_storage, s3_client
 from service.settings import Settings
-from service.storage import Storage, Store, open_storage, s3_client
 from tests.conftest import Api, Team
 from tests.s3 import S3Server
 from tests.test_training_keras import all_history

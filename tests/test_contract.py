@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
+from service.api.deps import decimal_range_pattern
 from service.client.specfile import load_spec
-from service.db import Database
-from service.deps import decimal_range_pattern
-from service.models import Job
+from service.database.db import Database
+from service.database.models import Job
 from tests.conftest import Api
 
 # (path in the spec, a value of the wrong JSON type that pydantic's lax mode accepted)

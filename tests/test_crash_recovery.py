@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from service.db import Database
-from service.models import Job
+from service.database.db import Database
+from service.database.models import Job
 from service.settings import Settings
 from tests.conftest import Api
 from tests.test_training_keras import all_history

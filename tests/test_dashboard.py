@@ -33,14 +33,16 @@ from playwright.sync_api import (
 )
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
-from service import history, jobs, normalization
-from service.app import create_app
-from service.db import Database
-from service.models import Job, utcnow
-from service.records import StepRecord
-from service.routes.dashboard import STATIC
-from service.schemas import JobSpec
+from service.api.app import create_app
+from service.api.routes.dashboard import STATIC
+from service.database.db import Database
+from service.database.models import Job, utcnow
+from service.recording import history
+from service.recording.records import StepRecord
+from service.scheduling import jobs
 from service.settings import Settings
+from service.specs import normalization
+from service.specs.schemas import JobSpec
 from tests import fakes
 from tests.conftest import Team
 from tests.test_supervisor import make_job

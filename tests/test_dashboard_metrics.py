@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from playwright.sync_api import Browser, expect
 
-from service import epochmetrics
-from service.app import create_app
-from service.db import Database
-from service.models import Job
+from service.api.app import create_app
+from service.database.db import Database
+from service.database.models import Job
+from service.recording import epochmetrics
 from service.settings import Settings
 from tests.conftest import Api, Team
 from tests.test_dashboard import (

@@ -20,10 +20,10 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from service.app import create_app
-from service.db import Database
+from service.api.app import create_app
+from service.database.db import Database
+from service.files.storage import open_storage
 from service.settings import Settings
-from service.storage import open_storage
 from tests.conftest import Team
 from tests.test_dashboard import (
     FAST,

@@ -18,7 +18,7 @@ import yaml
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from service import schemas
+from service.specs import schemas
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from service import epochmetrics, history
 from service.client import Client
 from service.client.errors import NotFound
-from service.db import Database
-from service.models import Job, utcnow
-from service.records import StepRecord
+from service.database.db import Database
+from service.database.models import Job, utcnow
+from service.recording import epochmetrics, history
+from service.recording.records import StepRecord
 from service.settings import Settings
 from tests import fakes
 from tests.conftest import Api, Team

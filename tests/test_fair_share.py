@@ -1,5 +1,5 @@
-"""Fair share by recent use (service/fairshare.py), on both databases: one slot shared by two
-members through the real supervisor path with fake trainers, two supervisors with their own
+"""Fair share by recent use (service/scheduling/fairshare.py), on both databases: one slot shared
+by two members through the real supervisor path with fake trainers, two supervisors with their own
 connections agreeing on the order from the database alone, usage accrual and decay, weights,
 and the API and CLI that show them."""
 
@@ -17,13 +17,14 @@ from rich.console import Console
 from sqlalchemy import select, update
 from typer.testing import CliRunner
 
-from service import cli, fairshare, jobs
+from service import cli
 from service.client import tables
-from service.db import Database
-from service.dbclock import db_now
-from service.models import Job, UserUsage, utcnow
-from service.schemas import JobSpec, SubmitResult
+from service.database.db import Database
+from service.database.dbclock import db_now
+from service.database.models import Job, UserUsage, utcnow
+from service.scheduling import fairshare, jobs
 from service.settings import Settings
+from service.specs.schemas import JobSpec, SubmitResult
 from tests import fakes
 from tests.conftest import Api, Team
 from tests.test_claims import claim, make_jobs
@@ -264,7 +265,7 @@ def test_a_sqlite_claim_works_in_a_process_that_has_imported_tensorflow(
     (job_id,) = make_jobs(db, 1)
     script = (
         "import sys, tensorflow\n"
-        "from service.db import Database\n"
+        "from service.database.db import Database\n"
         "from tests.test_claims import claim\n"
         "got = claim(Database.connect(sys.argv[1]), 'w')\n"
         "print(got.job_id if got else None)\n"

@@ -18,9 +18,9 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from service import auth
-from service.db import Database
-from service.models import Job, Step
+from service.database.db import Database
+from service.database.models import Job, Step
+from service.people import auth
 from service.settings import Settings
 from tests import fakes
 from tests.conftest import PG_URL

@@ -1,4 +1,4 @@
-"""The event stream's shared reads (``service.feeds``): listeners of one job, wherever they
+"""The event stream's shared reads (``service.api.feeds``): listeners of one job, wherever they
 start, each get every row once, a rewrite's reset and the end, while the database answers one
 read per tick for all of them, not one per listener. Real server, SQLite and PostgreSQL."""
 
@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
-from service.db import POOL_SIZE, Database
-from service.feeds import KEEPALIVE, KEPT_EVENTS, Feeds, listen
-from service.models import Job
-from service.records import StepRecord
+from service.api.feeds import KEEPALIVE, KEPT_EVENTS, Feeds, listen
+from service.database.db import POOL_SIZE, Database
+from service.database.models import Job
+from service.recording.records import StepRecord
 from tests.conftest import Api
 from tests.live import Live
 from tests.test_history_queries import submit, synthetic_history, write
@@ -32,7 +32,7 @@ POLL = 0.05
 
 @pytest.fixture(autouse=True)
 def fast_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.routes import history as history_routes
+    from service.api.routes import history as history_routes
 
     monkeypatch.setattr(history_routes, "SSE_POLL_SECONDS", POLL)
 

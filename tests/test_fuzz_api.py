@@ -38,14 +38,14 @@ from hypothesis import strategies as st
 from schemathesis.config import SchemathesisConfig
 from schemathesis.generation.modes import GenerationMode
 
-from service import history
-from service.authcache import FailureLimiter
-from service.db import Database
-from service.models import Job, utcnow
-from service.records import StepRecord
-from service.routes import history as history_routes
-from service.schemas import LEGACY_AMP_ENV
+from service.api.routes import history as history_routes
+from service.database.db import Database
+from service.database.models import Job, utcnow
+from service.people.authcache import FailureLimiter
+from service.recording import history
+from service.recording.records import StepRecord
 from service.settings import Settings
+from service.specs.schemas import LEGACY_AMP_ENV
 from tests.apiprocess import ApiProcess
 from tests.conftest import Api, Team
 
@@ -305,7 +305,7 @@ ST_CONFIG = """
 allow-extra-parameters = false
 
 [phases.stateful.inference]
-# The document's own links (service/openapi.py) say which response feeds which request;
+# The document's own links (service/api/openapi.py) say which response feeds which request;
 # guessing from field names linked a job's null sweep_id to GET /v1/sweeps/None.
 algorithms = []
 

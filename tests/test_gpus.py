@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from service.db import Database
-from service.models import Job
+from service.database.db import Database
+from service.database.models import Job
 from service.settings import Settings
 from tests import fakes
 from tests.test_supervisor import load, make_job

@@ -17,9 +17,9 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from service.app import create_app
-from service.db import Database
-from service.models import Job
+from service.api.app import create_app
+from service.database.db import Database
+from service.database.models import Job
 from service.settings import Settings
 from tests.conftest import Team
 from tests.test_dashboard import FAST, POLLING, Dashboard, new_context, serve, wait_until

@@ -11,10 +11,11 @@ import time
 
 from sqlalchemy import func, select
 
-from service import gradients, jobs
-from service.db import Database
-from service.models import GradientSample, Job
-from service.records import StepRecord
+from service.database.db import Database
+from service.database.models import GradientSample, Job
+from service.recording import gradients
+from service.recording.records import StepRecord
+from service.scheduling import jobs
 from service.settings import Settings
 from tests import fakes
 from tests.conftest import Api

@@ -21,9 +21,9 @@ import keras
 import numpy as np
 import pytest
 
-from service.normalization import normalize
-from service.schemas import JobSpec
 from service.settings import Settings
+from service.specs.normalization import normalize
+from service.specs.schemas import JobSpec
 from tests.training_runs import Run, run_job
 from workers.autoprecision import decide
 from workers.data import epoch_indices

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from service.policies import POLICIES, loss_scale_mode_for
+from service.specs.policies import POLICIES, loss_scale_mode_for
 from tests.conftest import Api
 
 GRADIENT_DEFAULTS = {

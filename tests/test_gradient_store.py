@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from service import gradients, history
-from service.db import Database
-from service.models import Job
-from service.responses import GradientColumnsPage, GradientsPage, JobOut
+from service.api.responses import GradientColumnsPage, GradientsPage, JobOut
+from service.database.db import Database
+from service.database.models import Job
+from service.recording import gradients, history
 from tests import fakes
 from tests.conftest import Api
 from tests.test_history_queries import submit, synthetic_history, write

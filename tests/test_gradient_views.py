@@ -18,9 +18,9 @@ import pytest
 from service.client import Client, ExitCode, NotFound
 from service.client.frames import GRADIENT_COLUMNS
 from service.client.gradient_tables import fmt_headroom, fmt_log2, fmt_share
-from service.db import Database
-from service.schemas import GradientsSpec
+from service.database.db import Database
 from service.settings import Settings
+from service.specs.schemas import GradientsSpec
 from tests import fakes
 from tests.live import Live, halfway
 from tests.test_client_cli import TINY, cli, find_row, table_line, table_row

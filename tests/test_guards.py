@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.schemas import GuardsSpec
+from service.specs.schemas import GuardsSpec
 from tests.training_runs import job_spec, run_job
 from workers.guards import Guards
 from workers.recording import Drained

@@ -18,12 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
 
-from service import columnar, history
-from service.app import create_app
-from service.db import Database
-from service.models import Job, float32
-from service.records import StepRecord
-from service.responses import ColumnsPage, HistoryPage
+from service.api.app import create_app
+from service.api.responses import ColumnsPage, HistoryPage
+from service.database.db import Database
+from service.database.models import Job, float32
+from service.recording import columnar, history
+from service.recording.records import StepRecord
 from service.settings import Settings
 from tests.conftest import Api, Team
 from tests.test_history_queries import submit, synthetic_history, write
@@ -244,8 +244,8 @@ def test_float32_values_come_back_exactly(api: Api, db: Database) -> None:
 def test_the_api_loads_pyarrow_only_for_the_first_export(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "from service.app import create_app\n"
-        "from service.db import Database\n"
+        "from service.api.app import create_app\n"
+        "from service.database.db import Database\n"
         "from service.settings import Settings\n"
         f"s = Settings(home={str(tmp_path)!r})\n"
         f"create_app(s, Database.connect('sqlite:///{tmp_path / 'x.db'}'))\n"

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 from sqlalchemy import delete, func, select, text
 
-from service import history, ingest, jobs
-from service.db import Database
-from service.models import Job, ScaleEvent, Step, StepRollup, utcnow
-from service.records import StepRecord
-from service.rollups import refresh_rollups
+from service.database.db import Database
+from service.database.models import Job, ScaleEvent, Step, StepRollup, utcnow
+from service.recording import history, ingest
+from service.recording.records import StepRecord
+from service.recording.rollups import refresh_rollups
+from service.scheduling import jobs
 from service.settings import Settings
 from tests.conftest import Api
 from tests.test_history_queries import submit, synthetic_history, write

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from service import history, rollups
-from service.db import Database
-from service.models import Job, StepRollup, utcnow
-from service.records import StepRecord
-from service.responses import BucketPage
-from service.routes import history as history_routes
+from service.api.responses import BucketPage
+from service.api.routes import history as history_routes
+from service.database.db import Database
+from service.database.models import Job, StepRollup, utcnow
+from service.recording import history, rollups
+from service.recording.records import StepRecord
 from service.settings import Settings
 from tests.conftest import Api
 

@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
-from service import history, rollups
-from service.db import Database
-from service.heldflush import Held, HeldAppender
-from service.models import Job, ScaleEvent, StepRollup, utcnow
-from service.records import StepRecord
-from service.rollups import LEVEL_BLOCKS
+from service.database.db import Database
+from service.database.models import Job, ScaleEvent, StepRollup, utcnow
+from service.recording import history, rollups
+from service.recording.heldflush import Held, HeldAppender
+from service.recording.records import StepRecord
+from service.recording.rollups import LEVEL_BLOCKS
 from tests.conftest import Api
 from tests.test_history_queries import brute_force, check_buckets, submit, synthetic_history, write
 

@@ -16,12 +16,13 @@ from typing import Any
 import httpx
 import pytest
 
-from service import history, pages
-from service.db import Database
-from service.models import Job
-from service.records import StepRecord
-from service.responses import BucketPage, HistoryPage
-from service.routes import history as history_routes
+from service.api import pages
+from service.api.responses import BucketPage, HistoryPage
+from service.api.routes import history as history_routes
+from service.database.db import Database
+from service.database.models import Job
+from service.recording import history
+from service.recording.records import StepRecord
 from service.settings import Settings
 from tests import fakes
 from tests.conftest import Api, Team

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from service import code, grants
-from service.db import Database
-from service.models import User
+from service.database.db import Database
+from service.database.models import User
+from service.files import code
+from service.people import grants
 from service.settings import Settings
 from tests.live import Live
 from tests.test_code_jobs import bundle_dir, job_log, push, run_worker, wait_for

@@ -1,6 +1,7 @@
 """The house's shape, checked from the source with ``ast``: no import circle among the
 service's and the workers' modules (imports inside functions and under ``TYPE_CHECKING``
-count: a circle there still ties two modules into one), and no module over 600 lines."""
+count: a circle there still ties two modules into one), imports between service/'s rooms
+pointing one way (service/__init__.py), and no module over 600 lines."""
 
 from __future__ import annotations
 
@@ -12,8 +13,16 @@ PACKAGES = ("service", "workers")
 MAX_LINES = 600
 # Modules still over the limit, each with its line count when it was listed: the test fails
 # when one grows, and when one shrinks under the limit (then it leaves the list). Empty since
-# the job spec became a package (service/schemas/); keep it so.
+# the job spec became a package (service/specs/schemas/); keep it so.
 OVER_THE_LIMIT: dict[str, int] = {}
+
+
+# service/'s rooms, each a folder with an ``__init__`` docstring naming its entry points, and the
+# few modules every room shares, which stay at the top.
+ROOMS = ("api", "specs", "scheduling", "recording", "files", "people", "database", "client")
+SHARED = ("cli", "settings", "errors", "vocabulary", "logs", "metrics", "priority")
+# Shared modules that import nothing of the service or the workers.
+LEAVES = ("service.errors", "service.vocabulary", "service.logs", "service.priority")
 
 
 def module_name(path: Path) -> str:
@@ -84,8 +93,79 @@ def test_the_checker_finds_a_circle() -> None:
 
 def test_no_import_circle_among_the_service_and_the_workers() -> None:
     graph = import_graph()
-    assert len(graph) > 80 and "service.history" in graph["workers.flush"]
+    assert len(graph) > 80 and "service.recording.history" in graph["workers.flush"]
     assert circles(graph) == []
+
+
+def room(module: str) -> str:
+    """``service.api.routes.jobs`` -> ``api``; ``service.settings`` -> ``settings``;
+    ``workers.flush`` -> ``workers``."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "service" and len(parts) > 1 else parts[0]
+
+
+def layer_breaches(graph: dict[str, set[str]]) -> list[str]:
+    """Imports against the direction HTTP -> domain -> database: into ``api`` from anywhere but
+    itself and the CLI; out of ``database`` but to the shared leaves; from the workers into
+    the HTTP layer or the client; from the client (it ships to users' machines) to anything
+    but itself and the shared vocabulary; and from a leaf to anything."""
+    breaches = []
+    for a, targets in graph.items():
+        for b in sorted(targets):
+            ra, rb = room(a), room(b)
+            if ra == rb:
+                continue
+            wrong = (
+                (rb == "api" and ra != "cli")
+                or (ra == "database" and b not in LEAVES)
+                or (ra == "workers" and rb in ("api", "cli", "client"))
+                or (ra == "client" and b != "service.vocabulary")
+                or a in LEAVES
+            )
+            if wrong:
+                breaches.append(f"{a} -> {b}")
+    return breaches
+
+
+def test_the_layer_checker_finds_an_import_against_the_direction() -> None:
+    graph = {
+        "service.api.app": {"service.scheduling.jobs"},
+        "service.scheduling.jobs": {"service.database.models", "service.api.responses"},
+        "service.database.models": {"service.vocabulary", "service.files.storage"},
+        "workers.flush": {"service.recording.history", "service.client.api"},
+        "service.errors": {"service.settings"},
+    }
+    assert layer_breaches(graph) == [
+        "service.scheduling.jobs -> service.api.responses",
+        "service.database.models -> service.files.storage",
+        "workers.flush -> service.client.api",
+        "service.errors -> service.settings",
+    ]
+
+
+def test_imports_between_the_rooms_point_one_way() -> None:
+    graph = import_graph()
+    assert "service.database.models" in graph["service.api.routes.jobs"]
+    assert layer_breaches(graph) == []
+    rooms: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        rooms.setdefault(room(a), set()).update(room(b) for b in targets)
+    assert {"specs", "database"} <= rooms["scheduling"]
+    assert circles(rooms) == [], "two rooms import each other"
+
+
+def test_the_service_folder_holds_its_rooms_and_the_shared_modules() -> None:
+    top = {
+        p.stem
+        for p in (ROOT / "service").iterdir()
+        if (p.suffix == ".py" or p.is_dir()) and p.name not in ("__init__.py", "__pycache__")
+    }
+    assert top == set(ROOMS) | set(SHARED) | {"static"}
+    for name in ROOMS:
+        docstring = ast.get_docstring(
+            ast.parse((ROOT / "service" / name / "__init__.py").read_text())
+        )
+        assert docstring and len(docstring) > 80, f"service/{name}/__init__.py says what it holds"
 
 
 def test_no_module_over_600_lines() -> None:

@@ -1,4 +1,4 @@
-"""The lean poll path (service/leanpolls.py) answers a dashboard's polls before FastAPI's
+"""The lean poll path (service/api/leanpolls.py) answers a dashboard's polls before FastAPI's
 routing. It must be invisible: the same status, headers and bytes as the routes for every
 request, the same refusals for every token the routes would refuse, and the same metrics.
 Each test compares an app with the lean path against one without it, on the same database."""
@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from service import auth, history
-from service.app import create_app
-from service.authcache import settle
-from service.db import Database
-from service.leanpolls import LeanPolls
-from service.models import Job, utcnow
-from service.records import StepRecord
+from service.api.app import create_app
+from service.api.leanpolls import LeanPolls
+from service.database.db import Database
+from service.database.models import Job, utcnow
+from service.people import auth
+from service.people.authcache import settle
+from service.recording import history
+from service.recording.records import StepRecord
 from service.settings import Settings
 from tests.conftest import Team
 
@@ -295,7 +296,7 @@ def _streamed(client: TestClient, url: str, headers: dict[str, str]) -> tuple[An
 def test_every_stream_gets_the_routes_headers_and_bytes(
     pair: Pair, db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from service.routes import history as history_routes
+    from service.api.routes import history as history_routes
 
     monkeypatch.setattr(history_routes, "SSE_POLL_SECONDS", 0.02)
     with db.write() as s:  # a finished job's streams end, so each can be read whole
@@ -341,7 +342,7 @@ def test_the_lean_path_serves_the_streams_and_leaves_the_rest(pair: Pair, team: 
 def test_a_log_read_at_its_end_gets_the_routes_answer_and_a_read_with_news_the_route(
     pair: Pair, settings: Settings, team: Team
 ) -> None:
-    from service.routes.artifacts import artifact_store
+    from service.api.routes.artifacts import artifact_store
 
     store = artifact_store(settings)
     key = f"{pair.job_id}/train.log"
@@ -381,7 +382,7 @@ def test_a_log_read_at_its_end_gets_the_routes_answer_and_a_read_with_news_the_r
 
 
 def test_log_reads_at_the_end_are_counted_by_route(pair: Pair, settings: Settings) -> None:
-    from service.routes.artifacts import artifact_store
+    from service.api.routes.artifacts import artifact_store
 
     artifact_store(settings).put_bytes(f"{pair.job_id}/train.log", b"0123")
     url = f"/v1/jobs/{pair.job_id}/logs?offset=4"

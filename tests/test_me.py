@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.db import Database
+from service.api.app import create_app
+from service.database.db import Database
 from service.settings import Settings
 from tests.conftest import Api, Team
 

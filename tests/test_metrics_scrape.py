@@ -13,12 +13,13 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import event
 
-from service import history, jobs
-from service.db import Database
+from service.database.db import Database
+from service.database.models import Job, utcnow
 from service.metrics import DURATION_BUCKETS
-from service.models import Job, utcnow
-from service.records import StepRecord
-from service.schemas import JobSpec, SubmitResult
+from service.recording import history
+from service.recording.records import StepRecord
+from service.scheduling import jobs
+from service.specs.schemas import JobSpec, SubmitResult
 
 
 def add_finished(db: Database, durations: dict[str, list[float]]) -> None:

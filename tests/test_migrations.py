@@ -16,10 +16,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import MetaData, Table, create_engine, insert, inspect, text
 from sqlalchemy.engine import make_url
 
-from service import history, migrate, rollups
-from service.app import create_app
-from service.db import Database, normalize_url
-from service.models import Base, Job, utcnow
+from service.api.app import create_app
+from service.database import migrate
+from service.database.db import Database, normalize_url
+from service.database.models import Base, Job, utcnow
+from service.recording import history, rollups
 from service.settings import Settings
 from tests.conftest import Api
 from tests.test_history_queries import check_buckets, synthetic_history

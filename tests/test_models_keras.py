@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.db import Database
+from service.database.db import Database
 from service.settings import Settings
 from tests.conftest import Api
 from tests.test_training_keras import all_history, submit

@@ -15,15 +15,15 @@ import uvicorn
 from fastapi.testclient import TestClient
 from sqlalchemy import event, select, update
 
-from service import fairshare, jobs
-from service.app import create_app
-from service.db import Database
-from service.etag import serialize
-from service.models import Job
-from service.pollcache import ListKey, PollCache, Snapshot
-from service.responses import JobOut, JobPage
-from service.routes import jobs as routes_jobs
-from service.routes.jobs import job_listing, job_out
+from service.api.app import create_app
+from service.api.etag import serialize
+from service.api.pollcache import ListKey, PollCache, Snapshot
+from service.api.responses import JobOut, JobPage
+from service.api.routes import jobs as routes_jobs
+from service.api.routes.jobs import job_listing, job_out
+from service.database.db import Database
+from service.database.models import Job
+from service.scheduling import fairshare, jobs
 from service.settings import Settings
 from tests.conftest import Api, Team
 from tests.live import free_port
@@ -238,7 +238,7 @@ def _whole_page(db: Database, limit: int) -> bytes:
         rows = list(session.scalars(select(Job).order_by(Job.id.desc()).limit(limit + 1)))
         next_id = rows[limit - 1].id if len(rows) > limit else None
         rows = rows[:limit]
-        # Queued jobs carry their place in the queue (service/fairshare.py).
+        # Queued jobs carry their place in the queue (service/scheduling/fairshare.py).
         places = {p.job_id: p for p in fairshare.queue(session, fairshare.Rule())}
         items = [routes_jobs.queued_out(j, routes_jobs.queue_spot(places.get(j.id))) for j in rows]
         page = JobPage(items=items, next_cursor=str(next_id) if next_id else None)

@@ -1,5 +1,5 @@
-"""Preemption at checkpoints (service/preemption.py), on both databases: the rule at the SQL
-level (which running job is asked to stop for which waiting one, and when none is), one
+"""Preemption at checkpoints (service/scheduling/preemption.py), on both databases: the rule at the
+SQL level (which running job is asked to stop for which waiting one, and when none is), one
 request per waiting job however many supervisors ask at once, what a stop records, and a
 crash of the preempting path; then real Keras children: a preempted job that resumes
 exactly, a child killed during the stop, and the issue's one-slot scenario."""
@@ -15,11 +15,11 @@ import pytest
 from rich.console import Console
 from sqlalchemy import select, update
 
-from service import fairshare, jobs, preemption
 from service.client import tables
-from service.db import Database
-from service.dbclock import db_now
-from service.models import Job, UserUsage, utcnow
+from service.database.db import Database
+from service.database.dbclock import db_now
+from service.database.models import Job, UserUsage, utcnow
+from service.scheduling import fairshare, jobs, preemption
 from service.settings import Settings
 from tests.conftest import BACKENDS, Api, Team
 from tests.reference import expected_scales

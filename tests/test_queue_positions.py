@@ -1,5 +1,5 @@
-"""Queue positions are the claim order (service/fairshare.py ``queue``), while jobs come and
-go: seeded random runs of submit / claim / finish / cancel / reweigh, on both databases, with
+"""Queue positions are the claim order (service/scheduling/fairshare.py ``queue``), while jobs come
+and go: seeded random runs of submit / claim / finish / cancel / reweigh, on both databases, with
 and without a per-user cap. After each step, the positions listed must be exactly the order in
 which repeated claims at that instant then take the jobs (tried in a transaction that is
 rolled back), and the reasons must say what is ahead."""
@@ -12,11 +12,12 @@ from datetime import datetime
 import pytest
 from sqlalchemy import select
 
-from service import auth, fairshare, jobs
-from service.db import Database
-from service.dbclock import db_now
-from service.models import Job, utcnow
-from service.schemas import JobSpec, SubmitResult
+from service.database.db import Database
+from service.database.dbclock import db_now
+from service.database.models import Job, utcnow
+from service.people import auth
+from service.scheduling import fairshare, jobs
+from service.specs.schemas import JobSpec, SubmitResult
 
 OWNERS = ("ada", "bo", "cy", "di")
 PRIORITIES = (40, 50, 50, 50, 60)

@@ -16,7 +16,7 @@ import pytest
 from alembic.script import ScriptDirectory
 
 import migrations
-from service.db import Database
+from service.database.db import Database
 from service.settings import Settings
 from tests.conftest import Api
 from tests.live import HALFWAY, free_port

@@ -17,13 +17,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from service import code, codestore, grants
-from service.app import create_app
+from service.api.app import create_app
 from service.client import codepack
-from service.db import Database
-from service.models import Job
+from service.database.db import Database
+from service.database.models import Job
+from service.files import code, codestore
+from service.files.storage import open_storage
+from service.people import grants
 from service.settings import Settings
-from service.storage import open_storage
 from tests import fakes
 from tests.conftest import Api, Team
 from tests.reference import expected_scales

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from service.db import Database
+from service.database.db import Database
 from service.settings import Settings
 from tests.conftest import Api
 from tests.test_supervisor import load

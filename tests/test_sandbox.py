@@ -18,13 +18,14 @@ from typing import Any
 
 import pytest
 
-from service import codestore, jobs
-from service.code import Limits
-from service.db import Database
-from service.models import Job, utcnow
-from service.schemas import JobSpec, SubmitResult
+from service.database.db import Database
+from service.database.models import Job, utcnow
+from service.files import codestore
+from service.files.code import Limits
+from service.files.storage import FileStore, open_storage
+from service.scheduling import jobs
 from service.settings import Settings
-from service.storage import FileStore, open_storage
+from service.specs.schemas import JobSpec, SubmitResult
 from tests import fakes
 from tests.test_code_bundles import tar_gz
 from tests.test_code_right_at_claim import BUNDLE

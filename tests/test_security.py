@@ -15,10 +15,10 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import event, select
 
-from service import auth
-from service.app import create_app
-from service.db import Database
-from service.models import User
+from service.api.app import create_app
+from service.database.db import Database
+from service.database.models import User
+from service.people import auth
 from service.settings import Settings
 from tests.conftest import Api, Team
 
@@ -137,7 +137,7 @@ def test_validation_errors_never_echo_the_values_sent(api: Api) -> None:
     assert canary not in r.text
 
 
-# The polls the lean path takes (service/leanpolls.py) among them: it must leave an outage to
+# The polls the lean path takes (service/api/leanpolls.py) among them: it must leave an outage to
 # the routes, which report it.
 @pytest.mark.parametrize(
     "path", ["/v1/jobs", "/v1/jobs?limit=100", "/v1/jobs/1", "/v1/jobs/1/history"]

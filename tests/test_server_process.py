@@ -113,7 +113,8 @@ def server(tmp_path: Path) -> Iterator[Server]:
 def test_api_modules_do_not_import_tensorflow() -> None:
     code = (
         "import sys\n"
-        "import service.app, service.cli, service.jobs, service.history, service.normalization\n"
+        "import service.api.app, service.cli, service.scheduling.jobs\n"
+        "import service.recording.history, service.specs.normalization\n"
         "import workers.supervisor, workers.child, workers.gpus, workers.protocol\n"
         # The checkpoint format is numpy's: the supervisor prunes without TensorFlow.
         "import workers.checkpoints, workers.checkpointer, workers.context, service.client\n"

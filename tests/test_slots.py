@@ -1,4 +1,4 @@
-"""The slots workers offer (service/slots.py) and the queue's ``no slot`` reason, on both
+"""The slots workers offer (service/scheduling/slots.py) and the queue's ``no slot`` reason, on both
 databases: a real supervisor offering its GPUs in its claim and withdrawing them when it stops,
 a job needing more GPUs than any live slot waiting with no position and never counted ahead,
 and slots that stopped answering no longer counting, unless busy with a job."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from sqlalchemy import select, update
 
-from service import fairshare, slots
-from service.db import Database
-from service.dbclock import db_now
-from service.models import Job, WorkerSlot
+from service.database.db import Database
+from service.database.dbclock import db_now
+from service.database.models import Job, WorkerSlot
+from service.scheduling import fairshare, slots
 from service.settings import Settings
 from tests import fakes
 from tests.conftest import Api

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.normalization import normalize
-from service.schemas import JobSpec
 from service.settings import Settings
+from service.specs.normalization import normalize
+from service.specs.schemas import JobSpec
 from tests.conftest import Api
 from tests.training_runs import Run, run_job
 

@@ -17,8 +17,8 @@ import pytest
 from alembic.migration import MigrationContext
 from sqlalchemy import func, select
 
-from service.db import Database
-from service.models import User
+from service.database.db import Database
+from service.database.models import User
 from tests.live import free_port
 from tests.test_migrations import empty_database  # noqa: F401 (a fixture)
 

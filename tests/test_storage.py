@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.settings import Settings
-from service.storage import (
+from service.files.storage import (
     AlreadyExists,
     FileStore,
     Storage,
@@ -21,7 +20,8 @@ from service.storage import (
     StorageError,
     Store,
 )
-from service.storage import open_storage as open_store
+from service.files.storage import open_storage as open_store
+from service.settings import Settings
 from workers import checkpoints
 
 # ---------------------------------------------------------------------------------------------

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.db import Database
+from service.api.app import create_app
+from service.database.db import Database
+from service.files.storage import Storage, open_storage
 from service.settings import Settings
-from service.storage import Storage, open_storage
 from tests.conftest import Api, Team
 from tests.s3 import S3Server
 from tests.test_training_keras import all_history

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from service import jobs
-from service.db import Database
-from service.models import Job, Step, utcnow
-from service.schemas import JobSpec, SubmitResult
+from service.database.db import Database
+from service.database.models import Job, Step, utcnow
+from service.scheduling import jobs
 from service.settings import Settings
+from service.specs.schemas import JobSpec, SubmitResult
 from tests import fakes
 from workers.supervisor import Supervisor
 

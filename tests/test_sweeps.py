@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.db import Database
-from service.models import Job
+from service.database.db import Database
+from service.database.models import Job
 from service.settings import Settings
 from tests import fakes
 from tests.conftest import Api

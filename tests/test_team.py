@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
 
-from service import fairshare
-from service.db import Database
-from service.models import Job, utcnow
+from service.database.db import Database
+from service.database.models import Job, utcnow
+from service.scheduling import fairshare
 from service.settings import Settings
 from tests.conftest import Api, Team
 from tests.test_claims import claim, make_jobs

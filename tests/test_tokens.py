@@ -16,11 +16,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from service import auth
-from service.app import create_app
-from service.authcache import AUTH_RECHECK_SECONDS, FailureLimiter
-from service.db import Database
-from service.routes import history as history_routes
+from service.api.app import create_app
+from service.api.routes import history as history_routes
+from service.database.db import Database
+from service.people import auth
+from service.people.authcache import AUTH_RECHECK_SECONDS, FailureLimiter
 from service.settings import Settings
 from tests.apiprocess import HALFWAY, ApiProcess
 from tests.conftest import Team

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.db import Database
-from service.policies import POLICIES
+from service.database.db import Database
 from service.settings import Settings
+from service.specs.policies import POLICIES
 from tests.conftest import Api
 from tests.reference import expected_scales
 from workers.supervisor import Supervisor
@@ -98,7 +98,7 @@ def test_precision_report_shows_float16_dense_and_float32_softmax(
     job_id = submit(api, spec(training={"epochs": 1}))
     Supervisor(db, settings).run_once()
     with db.read() as s:
-        from service.models import Job
+        from service.database.models import Job
 
         job = s.get(Job, job_id)
         assert job is not None
@@ -258,7 +258,7 @@ def test_mirrored_strategy_on_two_logical_cpus_records_the_same_history(
         (j["status"], j["error"], j["attempt_errors"]) for j in jobs.values()
     ]
     with db.read() as s:
-        from service.models import Job
+        from service.database.models import Job
 
         device = s.get(Job, mirrored).device  # type: ignore[union-attr]
     assert device["replicas"] == 2

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.db import Database
+from service.api.app import create_app
+from service.database.db import Database
+from service.files.storage import open_storage
 from service.settings import Settings
-from service.storage import open_storage
 from tests.conftest import Api, Team
 from tests.reference import expected_scales
 from tests.s3 import S3Server

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from service import code, codestore
 from service.client.codepack import pack
-from service.normalization import normalize
-from service.schemas import JobSpec
+from service.files import code, codestore
+from service.files.storage import open_storage
 from service.settings import Settings
-from service.storage import open_storage
+from service.specs.normalization import normalize
+from service.specs.schemas import JobSpec
 from tests.training_runs import Run
 from workers.context import RunContext
 from workers.protocol import JobError, Message

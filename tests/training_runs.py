@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.normalization import normalize
-from service.schemas import JobSpec
 from service.settings import Settings
+from service.specs.normalization import normalize
+from service.specs.schemas import JobSpec
 from workers.context import RunContext
 from workers.protocol import JobError, Message
 from workers.training import train

@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.heldflush import Held
-from service.preemption import Request
-from service.records import StepRecord
+from service.recording.heldflush import Held
+from service.recording.records import StepRecord
+from service.scheduling.preemption import Request
 from workers.protocol import Done
 
 
@@ -54,8 +54,8 @@ class Attempt:
     started: bool = False
     cancel_requested: bool = False
     shutting_down: bool = False
-    # A waiting job's request that this attempt stop (service/preemption.py): it then stops
-    # as a shutdown does, and the job goes back to the queue with the preemption recorded.
+    # A waiting job's request that this attempt stop (service/scheduling/preemption.py): it then
+    # stops as a shutdown does, and the job goes back to the queue with the preemption recorded.
     preempted: Request | None = None
     preempt_looked_at: float = 0.0
     lease_lost: bool = False

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
-from service.policies import AUTO_CANDIDATES, POLICIES, loss_scale_mode_for
+from service.specs.policies import AUTO_CANDIDATES, POLICIES, loss_scale_mode_for
 from workers.context import RunContext
 from workers.protocol import Sample
 

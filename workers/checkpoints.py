@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import IO, Any
 
-from service.storage import Store
+from service.files.storage import Store
 
 _NAME = re.compile(r"^checkpoint-(\d{12})\.npz(\.part|\.commit)?$")
 MARKER = ".commit"

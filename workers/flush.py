@@ -1,6 +1,6 @@
 """The supervisor's writes of one attempt's history and updates to the database, each with a
 renewal of its lease (fenced by ``worker_id``): the common history-only flush in one
-statement on PostgreSQL (``service.heldflush``), else the general transaction. A database
+statement on PostgreSQL (``service.recording.heldflush``), else the general transaction. A database
 that does not answer keeps everything pending for the next try. No TensorFlow.
 
 Gradient samples go in the general transaction only. They do not force it at once: a job
@@ -18,13 +18,14 @@ from typing import Any
 import psycopg
 from sqlalchemy.exc import DBAPIError
 
-from service import epochmetrics, gradients, history, jobs
-from service.db import Database
-from service.heldflush import Held, HeldAppender
+from service.database.db import Database
+from service.files.storage import Store
 from service.metrics import HISTORY_WRITE_LATENCY
-from service.records import StepRecord
+from service.recording import epochmetrics, gradients, history
+from service.recording.heldflush import Held, HeldAppender
+from service.recording.records import StepRecord
+from service.scheduling import jobs
 from service.settings import Settings
-from service.storage import Store
 from workers import checkpoints
 from workers.attempt import Attempt
 

@@ -1,4 +1,4 @@
-"""A running attempt's periodic look at preemption (service/preemption.py), riding the
+"""A running attempt's periodic look at preemption (service/scheduling/preemption.py), riding the
 supervisor's periodic sync: at most every ``interval`` seconds, one short write transaction
 that makes the request the rule makes now and reads whether this attempt's job is asked to
 stop. No TensorFlow."""
@@ -10,8 +10,8 @@ import time
 
 from sqlalchemy.exc import DBAPIError
 
-from service import preemption
-from service.db import Database
+from service.database.db import Database
+from service.scheduling import preemption
 from service.settings import Settings
 from workers.attempt import Attempt
 

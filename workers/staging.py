@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from service import code, codestore
 from service.errors import NotFound
-from service.storage import Storage, StorageConfig, Store, check_key, open_storage
+from service.files import code, codestore
+from service.files.storage import Storage, StorageConfig, Store, check_key, open_storage
 from workers import checkpoints
 from workers.protocol import JobError
 

@@ -19,12 +19,14 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
-from service import epochmetrics, fairshare, gradients, grants, jobs, preemption, slots
-from service.db import Database
-from service.heldflush import HeldAppender
-from service.records import StepRecord
+from service.database.db import Database
+from service.files.storage import open_storage
+from service.people import grants
+from service.recording import epochmetrics, gradients
+from service.recording.heldflush import HeldAppender
+from service.recording.records import StepRecord
+from service.scheduling import fairshare, jobs, preemption, slots
 from service.settings import Settings
-from service.storage import open_storage
 from workers import checkpoints, child, gpus, preempting, sandbox
 from workers.attempt import Attempt, Outcome, decide
 from workers.context import ARTIFACT_VOLUME, disk_errors_explained

@@ -4,7 +4,7 @@ trainer its model and data (``workers.training.run_plan`` does the rest, exactly
 preset: loss scaler, per-step record, guards, forensics, faults, checkpoints).
 
 The bundle's root goes on ``sys.path`` here and nowhere else: the API and the supervisor only
-ever parse it (``service/code.py``).
+ever parse it (``service/files/code.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """MkDocs hooks for Halfway's site (``hooks:`` in mkdocs.yml).
 
-- The job spec reference is generated from the pydantic models in ``service.schemas`` at
+- The job spec reference is generated from the pydantic models in ``service.specs.schemas`` at
   build time, never copied by hand: ``docs/spec.md`` holds the prose and a marker, and this
   hook puts a table per model (field, type, default, constraints, description) in its place.
 - The OpenAPI document is written into the built site as ``openapi.json``, from the same
@@ -172,12 +172,12 @@ def model_table(model: type[BaseModel], paths: list[str]) -> list[str]:
 
 def spec_reference() -> str:
     """The generated part of spec.md: the job spec's models, then the sweep's."""
-    from service import schemas
+    from service.specs import schemas
 
     out = [
         "## Reference",
         "",
-        "Generated from the pydantic models in `service/schemas/` when the site is built.",
+        "Generated from the pydantic models in `service/specs/schemas/` when the site is built.",
         "",
     ]
     shown: set[type[BaseModel]] = set()
@@ -196,8 +196,8 @@ def spec_reference() -> str:
 
 def openapi_document() -> dict[str, Any]:
     """The document the API serves at /openapi.json, from an app over an empty database."""
-    from service.app import create_app
-    from service.db import Database
+    from service.api.app import create_app
+    from service.database.db import Database
     from service.settings import Settings
 
     with tempfile.TemporaryDirectory() as home:

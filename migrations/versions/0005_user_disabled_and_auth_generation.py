@@ -3,7 +3,8 @@
 API processes cache verified tokens. A token replaced, a user removed or disabled must stop
 working at once in every process on the database, so each process re-reads this one-row
 counter at most ``AUTH_RECHECK_SECONDS`` after its last read, drops its cache when it moved,
-and the CLI command that changed a user returns only after that window (service/authcache.py).
+and the CLI command that changed a user returns only after that window
+(service/people/authcache.py).
 
 Revision ID: 0005
 Revises: 0004

@@ -1,4 +1,4 @@
-"""Fair share by recent use (service/fairshare.py).
+"""Fair share by recent use (service/scheduling/fairshare.py).
 
 ``user_usage``: per owner, the weight an admin gives (default 1) and the recent use in
 slot-seconds (GPU-seconds for jobs holding GPUs) as of ``as_of``, decayed with

@@ -1,4 +1,4 @@
-"""Preemption at checkpoints (service/preemption.py; docs/scheduling.md).
+"""Preemption at checkpoints (service/scheduling/preemption.py; docs/scheduling.md).
 
 On the job:
 

@@ -1,4 +1,4 @@
-"""Budgets of slot-hours per user per window (service/fairshare.py; docs/scheduling.md).
+"""Budgets of slot-hours per user per window (service/scheduling/fairshare.py; docs/scheduling.md).
 
 On ``user_usage``:
 

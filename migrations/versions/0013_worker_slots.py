@@ -1,4 +1,4 @@
-"""The training slots workers offer (service/slots.py; docs/scheduling.md).
+"""The training slots workers offer (service/scheduling/slots.py; docs/scheduling.md).
 
 ``worker_slot``: one row per running supervisor, its GPUs and when it last said so (the
 database's clock). The queue reads the largest live slot to say that a job needing more GPUs
