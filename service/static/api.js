@@ -1,8 +1,8 @@
 /* Halfway dashboard: the API client. The token (kept in localStorage), GET of JSON resources
  * with If-None-Match (one remembered ETag per polled resource) and any other request with the
  * token. */
-// A refused token (401) brings up the token prompt.
-import { tokenRefused } from "./poll.js";
+// A refused token (401) brings up the token prompt: poll.js's, through the hook app.js sets.
+import { hooks } from "./state.js";
 
 // ---- Token ---------------------------------------------------------------------------------
 
@@ -77,7 +77,7 @@ export async function request(method, url, body) {
     body: body === undefined ? undefined : JSON.stringify(body) });
   if (!response.ok) {
     const err = new HttpError(response.status, await errorMessage(response));
-    if (response.status === 401) tokenRefused(err);
+    if (response.status === 401) hooks.tokenRefused(err);
     throw err;
   }
   return response;

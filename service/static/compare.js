@@ -1,16 +1,15 @@
 /* Halfway dashboard: the comparison of several jobs on one chart pair, bucketed on one step
- * grid; the set and its zoom live in the address's fragment. */
+ * grid; the set and its zoom live in the address's fragment. The set itself (comparison) is in
+ * state.js, which the job list reads for its checkboxes. */
 import { COLORS, CONFIG } from "./config.js";
 import { $, fmtInt, setText, stepsEach } from "./format.js";
 import { api } from "./api.js";
 import { bucketColumns, bucketLayout, bucketPoints, ChartPair } from "./charts.js";
+import { comparison, jobRows, jobsById } from "./state.js";
+import { setHash } from "./address.js";
 import { kick } from "./poll.js";
-import { jobRows, jobsById } from "./joblist.js";
-import { setHash } from "./jobpage.js";
 
 // ---- Comparison -----------------------------------------------------------------------------
-
-export const comparison = { ids: [], pair: null, key: "", builtFor: "", wantView: null };
 
 export function toggleCompare(id, on) {
   const ids = comparison.ids.filter((x) => x !== id);

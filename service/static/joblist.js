@@ -1,19 +1,16 @@
 /* Halfway dashboard: the job list, its rows updated in place (so the comparison checkboxes keep
- * their state). */
+ * their state). The rows and the jobs as last read are in state.js, which compare.js reads. */
 import { COLORS, CONFIG } from "./config.js";
 import { $, el, fmtInt, fmtScale, setText } from "./format.js";
 import { api, storedToken } from "./api.js";
-import { selection, selectJob } from "./jobpage.js";
-import { comparison, toggleCompare } from "./compare.js";
-import { panels } from "./app.js";
+import { comparison, hooks, jobRows, jobsById, selection, setJobsById } from "./state.js";
+import { selectJob } from "./address.js";
+import { toggleCompare } from "./compare.js";
 
 // ---- Job list ------------------------------------------------------------------------------
 
 // Job statuses come from the server (GET /v1/vocabulary), defined once in service/vocabulary.py.
 let STATUSES = [];
-
-export const jobRows = new Map(); // job id -> <tr>, updated in place so checkboxes keep their state
-export let jobsById = new Map();
 
 export async function refreshJobs() {
   if (!STATUSES.length) STATUSES = (await api("/v1/vocabulary")).body.job_statuses;
@@ -21,7 +18,7 @@ export async function refreshJobs() {
   $("#app").hidden = false;
   $("#forget-token").hidden = !storedToken();
   if (!changed) return;
-  jobsById = new Map(body.items.map((job) => [job.id, job]));
+  setJobsById(new Map(body.items.map((job) => [job.id, job])));
   renderJobs(body.items);
   setText($("#jobs-note"), body.next_cursor ? `newest ${body.items.length} shown` : "");
 }
@@ -76,7 +73,7 @@ function updateJobRow(row, job) {
   setText(cell("id"), String(job.id));
   setText(cell("owner"), job.owner);
   renderStatus(cell("status"), job.status);
-  const spot = job.status === "queued" && panels ? panels.queueText(job.queue) : "";
+  const spot = job.status === "queued" ? hooks.queueText(job.queue) : "";
   setText(cell("queue-spot"), spot ? `queued: ${spot}` : "");
   const { step, total_steps: total, fraction } = job.progress;
   const bar = row.querySelector("progress");

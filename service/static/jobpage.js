@@ -1,73 +1,20 @@
-/* Halfway dashboard: the selected job, its address (the fragment) and its charts, kept current
- * by polling (its event stream is in stream.js): raw rows past a cursor, or buckets past the
- * threshold, and the rewrite a resume makes followed through history_version. */
+/* Halfway dashboard: the selected job's charts, kept current by polling (its event stream is
+ * in stream.js, which also decides between the two): raw rows past a cursor, or buckets past
+ * the threshold, and the rewrite a resume makes followed through history_version. Which job is
+ * selected (state.js's selection) is app.js's to set, from the address. */
 import { BLUE, CONFIG } from "./config.js";
 import { $, fmtInt, setText, stepsEach } from "./format.js";
 import { api, HttpError } from "./api.js";
 import { bucketColumns, bucketLayout, bucketPoints, ChartPair, countMarkers, rawColumns,
   rawLayout } from "./charts.js";
-import { kick, poll } from "./poll.js";
-import { jobRows } from "./joblist.js";
+import { hooks, selection } from "./state.js";
+import { kick } from "./poll.js";
 import { renderJob } from "./jobsummary.js";
-import { connect, dropStream, openStream, stream, streamServes, streamWanted } from "./stream.js";
-import { compareFromHash } from "./compare.js";
-import { epochMetrics, gradients, panels } from "./app.js";
 
 // ---- The selected job ----------------------------------------------------------------------
 
-export const selection = { id: null, hist: null, pair: null, layout: null };
-
-// The address's fragment holds what a link should open: job=ID, tab=log|artifacts|...,
-// compare=ID,ID,... and compare_steps=FROM-TO (the comparison's zoom). Selecting a job or a
-// panel adds a history entry (back/forward work); a comparison edit replaces the current one.
-
-function hashParams() {
-  return new URLSearchParams(location.hash.slice(1));
-}
-
-export function setHash(changes, push) {
-  const p = hashParams();
-  for (const [key, value] of Object.entries(changes)) {
-    if (value === null || value === undefined || value === "") p.delete(key);
-    else p.set(key, String(value));
-  }
-  const text = p.toString().replace(/%2C/gi, ",");
-  if (push) {
-    location.hash = text; // hashchange does the rest
-  } else {
-    history.replaceState(null, "", location.pathname + location.search + (text ? "#" + text : ""));
-  }
-}
-
-export function selectJob(id) {
-  setHash({ job: id }, true);
-}
-
-export function selectFromHash() {
-  const p = hashParams();
-  compareFromHash(p);
-  const raw = p.get("job");
-  const id = raw && /^\d+$/.test(raw) ? Number(raw) : null;
-  if (id !== selection.id) selectJobNow(id);
-  if (panels) panels.tab(p.get("tab") || "");
-}
-
-function selectJobNow(id) {
-  dropStream(); // the old job's stream, if any
-  selection.id = id;
-  selection.hist = id === null ? null : newHistory(id);
-  selection.layout = null;
-  if (selection.pair) selection.pair.destroy();
-  if (gradients) gradients.select(id);
-  if (epochMetrics) epochMetrics.select(id);
-  if (panels) panels.select(id);
-  $("#job").hidden = id === null;
-  $("#app").classList.toggle("with-job", id !== null);
-  for (const [rowId, row] of jobRows) row.classList.toggle("selected", rowId === id);
-  kick();
-}
-
-function newHistory(jobId) {
+/** What is held of a newly selected job's history: nothing yet. */
+export function newHistory(jobId) {
   return {
     jobId,
     mode: "raw",
@@ -84,27 +31,8 @@ function newHistory(jobId) {
   };
 }
 
-/** Keep the selected job current: through its stream when that works, else by polling.
- * Runs inside a tick, so a poll and the opening of a stream never overlap. */
-export async function refreshSelection(hist) {
-  if (streamServes(hist)) {
-    // The stream brings the job and its rows; a zoom still needs its buckets read.
-    if (hist.mode === "buckets" && hist.stale) await pullBuckets(hist, hist.steps);
-    return;
-  }
-  if (stream.hist === hist && stream.state === "paused") {
-    // Back from a hidden tab or a token prompt: go on from the last event. Not while the
-    // prompt is still up: a refresh already under way when the stream's 401 came would
-    // reconnect with the refused token.
-    if (poll.on) connect(hist);
-    return;
-  }
-  await pollSelected(hist);
-  if (hist === selection.hist && streamWanted(hist)) openStream(hist);
-}
-
 /** The polling path: the job (If-None-Match), then its new rows or its buckets. */
-async function pollSelected(hist) {
+export async function pollSelected(hist) {
   let result;
   try {
     result = await api(`/v1/jobs/${hist.jobId}`, "job");
@@ -178,7 +106,7 @@ function ensureLayout(mode) {
 function onJobZoom(view) {
   const hist = selection.hist;
   $("#reset-zoom").hidden = view === null;
-  if (gradients) gradients.zoom(view);
+  hooks.jobZoomed(view); // the gradient band (app.js)
   if (!hist) return;
   if (hist.mode === "raw") {
     drawRaw(hist); // every row is here already: zoom in the browser

@@ -1,8 +1,8 @@
 /* Halfway dashboard: the selected job's summary beside its charts: title, status, progress,
  * problems (error, warnings) and metrics, all of it as text. */
 import { $, el, fmtHuman, fmtInt, fmtLoss, fmtScale, fmtSeconds, fmtTime, NBSP } from "./format.js";
+import { hooks } from "./state.js";
 import { renderStatus } from "./joblist.js";
-import { epochMetrics, gradients, panels } from "./app.js";
 
 // ---- The selected job's summary -------------------------------------------------------------
 
@@ -16,9 +16,7 @@ export function renderJob(job) {
   renderMetrics(job.summary.metrics || {});
   // A job with no step recorded that is not training says so instead of two empty charts.
   $("#job-charts").hidden = job.summary.last_step === null && job.status !== "running";
-  if (gradients) gradients.job(job);
-  if (epochMetrics) epochMetrics.job(job);
-  if (panels) panels.job(job);
+  hooks.jobShown(job); // the gradient band, the metrics per epoch, the panels (app.js)
 }
 
 function renderSummary(job) {

@@ -1,18 +1,17 @@
 /* Halfway dashboard: the refresh loop (one refresh at a time, paused while the tab is hidden),
- * the token prompt and the live indicator. */
+ * the token prompt and the live indicator. Below the views: what a tick refreshes (the list,
+ * the selected job, the comparison) is app.js's refresh, and the prompt pauses the event
+ * stream, both through hooks (state.js). */
 import { CONFIG } from "./config.js";
 import { $, setText } from "./format.js";
 import { etags, HttpError, storedToken, TOKEN_KEY } from "./api.js";
-import { refreshJobs } from "./joblist.js";
-import { refreshSelection, selection } from "./jobpage.js";
-import { pauseStream, stream, streamServes } from "./stream.js";
-import { comparison, refreshCompare } from "./compare.js";
+import { hooks, selection, stream, streamServes } from "./state.js";
 
 // ---- The token prompt ----------------------------------------------------------------------
 
 function askForToken(message) {
   stopPolling();
-  pauseStream();
+  hooks.pauseStream();
   $("#app").hidden = true;
   $("#forget-token").hidden = true;
   $("#auth").hidden = false;
@@ -74,7 +73,7 @@ async function tick() {
   }
   poll.busy = true;
   try {
-    await refresh();
+    await hooks.refresh();
     setLive("live", `${liveDetail()} · updated ${new Date().toLocaleTimeString()}`);
   } catch (err) {
     if (err instanceof HttpError && err.status === 401) {
@@ -99,14 +98,6 @@ export function tokenRefused(err) {
   askForToken(storedToken()
     ? `The server refused the token (${err.message}). Paste a valid token.`
     : "This server needs an API token.");
-}
-
-async function refresh() {
-  // The list and the comparison are polled even while the selected job streams: they are
-  // cheap for the server (cached, 304s) and cover jobs nobody streams.
-  await refreshJobs();
-  if (selection.hist) await refreshSelection(selection.hist);
-  if (comparison.ids.length >= 2) await refreshCompare();
 }
 
 /** How the selected job is kept current: "streaming" or "polling". */

@@ -1,11 +1,35 @@
 /* Halfway dashboard: the selected job's event stream (GET /v1/jobs/{id}/events), read with
- * fetch() as text/event-stream, with reconnects, backoff and the fall back to polling. */
+ * fetch() as text/event-stream, with reconnects, backoff and the fall back to polling; and
+ * refreshSelection, which keeps the selected job current through one or the other. The
+ * stream's state is in state.js (the live indicator reads it). */
 import { CONFIG } from "./config.js";
 import { errorMessage, HttpError, storedToken } from "./api.js";
-import { kick, liveDetail, setLive, tokenRefused } from "./poll.js";
-import { drawRaw, dropFrom, followJob, followRewrite, pullBuckets, selection,
+import { selection, stream, streamServes } from "./state.js";
+import { kick, liveDetail, poll, setLive, tokenRefused } from "./poll.js";
+import { drawRaw, dropFrom, followJob, followRewrite, pollSelected, pullBuckets,
   toBuckets } from "./jobpage.js";
 import { renderJob } from "./jobsummary.js";
+
+// ---- Keeping the selected job current: the stream, or polling ------------------------------
+
+/** Keep the selected job current: through its stream when that works, else by polling.
+ * Runs inside a tick, so a poll and the opening of a stream never overlap. */
+export async function refreshSelection(hist) {
+  if (streamServes(hist)) {
+    // The stream brings the job and its rows; a zoom still needs its buckets read.
+    if (hist.mode === "buckets" && hist.stale) await pullBuckets(hist, hist.steps);
+    return;
+  }
+  if (stream.hist === hist && stream.state === "paused") {
+    // Back from a hidden tab or a token prompt: go on from the last event. Not while the
+    // prompt is still up: a refresh already under way when the stream's 401 came would
+    // reconnect with the refused token.
+    if (poll.on) connect(hist);
+    return;
+  }
+  await pollSelected(hist);
+  if (hist === selection.hist && streamWanted(hist)) openStream(hist);
+}
 
 // ---- The selected job's event stream -------------------------------------------------------
 //
@@ -15,27 +39,7 @@ import { renderJob } from "./jobsummary.js";
 // stream serves the selected job the ticks leave it alone. It is read with fetch(), not
 // EventSource, which cannot send the Authorization header.
 
-export const stream = {
-  hist: null, // the selection it follows; null: none
-  // off | connecting | open | waiting (to reconnect) | paused (a hidden tab, the token
-  // prompt) | ended (the job finished) | fallback (polling until retryAt)
-  state: "off",
-  controller: null, // aborts the connection's request
-  lastId: "", // VERSION:STEP of the last event handled: where a reconnect goes on from
-  failures: 0, // in a row
-  why: "", // the last failure, for the live indicator
-  retryAt: 0,
-  timer: null, // the reconnect's
-  watchdog: null,
-};
-
-/** True while the stream, not polling, keeps this history current. */
-export function streamServes(hist) {
-  return !!hist && stream.hist === hist &&
-    ["connecting", "open", "waiting", "ended"].includes(stream.state);
-}
-
-export function streamWanted(hist) {
+function streamWanted(hist) {
   // A queued job is polled: its place in the queue (job.queue) is in the polled answer
   // only, and moves without the job changing. Its stream opens once it runs.
   if (!CONFIG.stream || !hist.loaded || hist.queued) return false;
@@ -46,7 +50,7 @@ export function streamWanted(hist) {
 /** Listen from where the page's own rows end. The position goes as Last-Event-ID even on
  * the first request, so the server compares history versions: a rewrite since the page's
  * read arrives as a `reset`, never as new rows stacked onto replaced ones. */
-export function openStream(hist) {
+function openStream(hist) {
   const step = hist.mode === "raw" ? hist.cursor : hist.lastStep;
   // A retry after falling back keeps its failure count: one more failure, back to polling.
   if (stream.hist !== hist) stream.failures = 0;
@@ -77,7 +81,7 @@ function closeConnection() {
 }
 
 /** One connection, from fetch to the end of its body; a failure leads to streamFailed. */
-export async function connect(hist) {
+async function connect(hist) {
   clearTimeout(stream.timer);
   const controller = new AbortController();
   stream.controller = controller;
