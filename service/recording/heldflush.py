@@ -19,6 +19,7 @@ from service.database.models import Job
 from service.recording.ingest import (
     COPY_ROWS,
     DUMPERS,
+    SUMMARY_COUNTERS,
     block_params,
     event_params,
     insert_events,
@@ -47,15 +48,6 @@ if TYPE_CHECKING:
 # crash took back relaxed commits, a truncation), writes nothing and the caller takes the
 # general path. The rows are a plain INSERT: should one be stored after all, the statement
 # fails as a whole and changes nothing.
-_COUNTERS = (
-    "overflow_count",
-    "nonfinite_loss_count",
-    "growth_count",
-    "backoff_count",
-    "steps_recorded",
-    "overflows_recorded",
-    "backoffs_recorded",
-)
 _HELD_APPEND_PG = f"""
     WITH lease AS (
         UPDATE job SET
@@ -66,7 +58,7 @@ _HELD_APPEND_PG = f"""
             last_loss = %(j_last_loss)s::float4,
             loss_scale = %(j_loss_scale)s::float8,
             min_loss_scale = LEAST(min_loss_scale, %(j_min_loss_scale)s::float8),
-            {", ".join(f"{c} = {c} + %(d_{c})s::int4" for c in _COUNTERS)},
+            {", ".join(f"{c} = {c} + %(d_{c})s::int4" for c in SUMMARY_COUNTERS)},
             steps_per_second = COALESCE(%(j_steps_per_second)s::float8, steps_per_second)
         FROM (SELECT set_config('synchronous_commit', %(synchronous_commit)s, true)) AS cfg
         WHERE id = %(job_id)s::int4 AND worker_id = %(worker_id)s AND status = 'running'

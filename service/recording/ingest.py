@@ -56,12 +56,8 @@ MERGE_COLUMNS = (
     "nonfinite_loss_count",
 )
 _FLOAT_COLUMNS = {"loss_min", "loss_max", "loss_last", "scale_min", "scale_max", "scale_last"}
-_SUMMARY_COLUMNS = (
-    "last_step",
-    "epoch",
-    "last_loss",
-    "loss_scale",
-    "min_loss_scale",
+# The job summary's counters: the append path sets them, the held flush adds to them.
+SUMMARY_COUNTERS = (
     "overflow_count",
     "nonfinite_loss_count",
     "growth_count",
@@ -69,6 +65,14 @@ _SUMMARY_COLUMNS = (
     "steps_recorded",
     "overflows_recorded",
     "backoffs_recorded",
+)
+_SUMMARY_COLUMNS = (
+    "last_step",
+    "epoch",
+    "last_loss",
+    "loss_scale",
+    "min_loss_scale",
+    *SUMMARY_COUNTERS,
     "steps_per_second",
     "updated_at",
 )
