@@ -26,6 +26,14 @@ def loss_flag(value: float | None) -> Literal["nan", "inf", "-inf"] | None:
     return "inf" if value > 0 else "-inf"
 
 
+# Jobs and history pages carry the history's version: what it means, said once.
+HISTORY_VERSION = (
+    "Moves on each time a resume replaces recorded steps. A client holding rows of the version "
+    "before starts again from history_reset_step; of an older one, from step 0."
+)
+HISTORY_RESET_STEP = "The first step the latest rewrite replaced (null: never rewritten)."
+
+
 def json_float(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
@@ -227,14 +235,8 @@ class JobOut(BaseModel):
     )
     device: dict[str, Any] = Field(description="Where it trained: GPUs, replicas, XLA, ...")
     spec: dict[str, Any]
-    history_version: int = Field(
-        description="Moves on each time a resume replaces recorded steps. A client holding "
-        "rows of the version before starts again from history_reset_step; of an older one, "
-        "from step 0."
-    )
-    history_reset_step: int | None = Field(
-        description="The first step the latest rewrite replaced (null: never rewritten)."
-    )
+    history_version: int = Field(description=HISTORY_VERSION)
+    history_reset_step: int | None = Field(description=HISTORY_RESET_STEP)
     gradients: GradientsSummary | None = Field(
         None, description="The latest gradient sample and shadow sample (null: none yet)."
     )
@@ -318,14 +320,8 @@ class HistoryPage(BaseModel):
         description="Pass as ?after_step= to get only newer rows (a polling cursor)."
     )
     has_more: bool
-    history_version: int = Field(
-        description="Moves on each time a resume replaces recorded steps. A client holding "
-        "rows of the version before starts again from history_reset_step; of an older one, "
-        "from step 0."
-    )
-    history_reset_step: int | None = Field(
-        description="The first step the latest rewrite replaced (null: never rewritten)."
-    )
+    history_version: int = Field(description=HISTORY_VERSION)
+    history_reset_step: int | None = Field(description=HISTORY_RESET_STEP)
 
 
 class MeOut(BaseModel):
@@ -410,14 +406,8 @@ class BucketPage(BaseModel):
     width: int = Field(description="Steps per bucket (the last one may hold fewer).")
     origin: int = Field(description="Bucket i starts at step origin + i * width.")
     buckets: list[BucketOut] = Field(description="Non-empty buckets, in step order.")
-    history_version: int = Field(
-        description="Moves on each time a resume replaces recorded steps. A client holding "
-        "rows of the version before starts again from history_reset_step; of an older one, "
-        "from step 0."
-    )
-    history_reset_step: int | None = Field(
-        description="The first step the latest rewrite replaced (null: never rewritten)."
-    )
+    history_version: int = Field(description=HISTORY_VERSION)
+    history_reset_step: int | None = Field(description=HISTORY_RESET_STEP)
 
 
 class ColumnsPage(BaseModel):
@@ -437,9 +427,7 @@ class ColumnsPage(BaseModel):
     )
     has_more: bool
     history_version: int = Field(description="As in a row page: moves on with each rewrite.")
-    history_reset_step: int | None = Field(
-        description="The first step the latest rewrite replaced (null: never rewritten)."
-    )
+    history_reset_step: int | None = Field(description=HISTORY_RESET_STEP)
 
 
 class ScaleEventOut(BaseModel):
