@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import IO
 
 from service.errors import Conflict, NotFound
-from service.files import code
+from service.files import archives, code
 from service.files.storage import Store
 
 log = logging.getLogger("halfway.code")
@@ -150,8 +150,10 @@ def _download(store: Store, digest: str, target: Path) -> bool:
         size = archive.stat().st_size
         try:
             # The object bounds what it can unpack to: at most its size, one file a block.
-            code.unpack_tar(archive, tree, code.Limits(size, size // TAR_BLOCK + 1, math.inf))
-        except code.BundleError as exc:
+            archives.unpack_tar(
+                archive, tree, archives.Limits(size, size // TAR_BLOCK + 1, math.inf)
+            )
+        except archives.BundleError as exc:
             raise BundleCorrupt(
                 f"code bundle {digest}: the store's object {store.url(key)} is not a bundle "
                 f"Halfway wrote ({exc.detail}); upload the bundle again"
@@ -289,7 +291,7 @@ def _checked_digest(root: Path) -> str | None:
                 return None
             inner = hashlib.sha256()
             size = 0
-            while chunk := f.read(code.CHUNK):
+            while chunk := f.read(archives.CHUNK):
                 inner.update(chunk)
                 size += len(chunk)
         outer.update(f"{name}\0{size}\0{inner.hexdigest()}\n".encode())
