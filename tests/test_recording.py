@@ -185,3 +185,23 @@ def test_ring_buffer_refuses_to_drain_records_it_has_overwritten() -> None:
         recorder.record(tf.constant(value), tf.constant(1.0), tf.constant(True))
     with pytest.raises(RuntimeError, match="3 steps ran between drains"):
         recorder.drain()
+
+
+def test_a_checkpoint_at_an_epochs_last_step_follows_that_epochs_metrics(tmp_path: Path) -> None:
+    """A checkpoint due on the last step of an epoch is taken after the epoch's metrics are
+    sent. Taken before, a crash between the two (in validation, say) resumed the job at the
+    next epoch with the finished epoch's metrics never stored."""
+    spec = job_spec(tmp_path, training={"epochs": 3, "checkpoint_every": 23})
+    run = run_job(spec, tmp_path / "job")
+    assert run.status == "succeeded", run.error
+    order = [
+        (m["type"], m["epoch"] if m["type"] == "metrics" else m["step"])
+        for m in run.messages
+        if m["type"] == "checkpoint" or (m["type"] == "metrics" and m["epoch"] >= 0)
+    ]
+    # 23 steps per epoch: each epoch's metrics, then the checkpoint of its last step.
+    assert order == [
+        ("metrics", 0), ("checkpoint", 23),
+        ("metrics", 1), ("checkpoint", 46),
+        ("metrics", 2), ("checkpoint", 69),
+    ]  # fmt: skip

@@ -47,6 +47,9 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
         self.checkpoint_every = checkpoint_every
         self.batch_size = batch_size
         self.epoch = 0
+        # Set by the trainer: a checkpoint due on an epoch's last step waits for on_epoch_end.
+        self.steps_per_epoch: int | None = None
+        self.checkpoint_at_epoch_end = False
         self.pending: list[tuple[int, int, float, float, bool]] = []
         self.last_flush = time.monotonic()
         self.last_checkpoint = recorder.drained_to
@@ -101,7 +104,12 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
             self.model.stop_training = True
         step = self.recorder.drained_to
         if step - self.last_checkpoint >= self.checkpoint_every:
-            self.checkpoint()
+            if self.steps_per_epoch and step % self.steps_per_epoch == 0:
+                # The epoch ends here: its metrics (after validation) must reach the
+                # supervisor before a checkpoint that resumes past the epoch.
+                self.checkpoint_at_epoch_end = True
+            else:
+                self.checkpoint()
         if (
             time.monotonic() - self.last_flush >= self.ctx.flush_seconds
             or len(self.pending) > 20_000
@@ -112,6 +120,9 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
         metrics = {k: float(v) for k, v in (logs or {}).items() if _is_number(v)}
         self.flush()
         self.ctx.emit({"type": "metrics", "epoch": epoch, "metrics": metrics})
+        if self.checkpoint_at_epoch_end:
+            self.checkpoint_at_epoch_end = False
+            self.checkpoint()
 
     def collect(self) -> Drained:
         d = self.recorder.drain()

@@ -136,6 +136,7 @@ def run_plan(ctx: RunContext, plan: Plan, device: dict[str, Any]) -> str:
         training["checkpoint_every"],
         plan.batch_size or training["batch_size"],
     )
+    stream.steps_per_epoch = per_epoch
     if progress is not None:
         stream.resume(progress)
     if spec.get("outputs", {}).get("tensorboard"):
