@@ -205,3 +205,25 @@ def test_a_checkpoint_at_an_epochs_last_step_follows_that_epochs_metrics(tmp_pat
         ("metrics", 1), ("checkpoint", 46),
         ("metrics", 2), ("checkpoint", 69),
     ]  # fmt: skip
+
+
+def test_a_gradient_sample_reaches_the_supervisor_after_the_rows_of_its_step(
+    tmp_path: Path,
+) -> None:
+    """The supervisor may store what it has received at any moment (a checkpoint's
+    acknowledgement forces a write), so a sample sent before its step's row could be stored
+    without it: a crash then left a sample past the history's end, and the resume's cut of it
+    moved ``history_version`` although no row was rewritten."""
+    spec = job_spec(tmp_path, training={"epochs": 2}, gradients={"every": 7, "shadow_every": 14})
+    run = run_job(spec, tmp_path / "job")
+    assert run.status == "succeeded", run.error
+    sent_to = -1  # the last step whose row has been sent
+    sampled = []
+    for m in run.messages:
+        if m["type"] == "steps":
+            sent_to = m["records"][-1][0]
+        elif m["type"] == "gradients":
+            steps = [s["step"] for s in m["samples"]]
+            assert max(steps) <= sent_to, (steps, sent_to)
+            sampled += steps
+    assert sampled == list(range(0, 46, 7))

@@ -192,9 +192,6 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
         if self.guards.warning != self.sent_warning:
             self.sent_warning = self.guards.warning
             self.ctx.emit({"type": "warning", "message": self.guards.warning})
-        if self.samples:
-            self.ctx.emit({"type": "gradients", "samples": self.samples})
-            self.samples = []
         if self.pending and self.tensorboard is not None:
             self._write_tensorboard()
         if self.pending:
@@ -206,6 +203,11 @@ class StepStream(keras.callbacks.Callback):  # type: ignore[misc]
                 }
             )
             self.pending = []
+        # After the rows: the supervisor may write what it holds between two messages, and a
+        # sample stored without its step's row would outlive a crash past the history's end.
+        if self.samples:
+            self.ctx.emit({"type": "gradients", "samples": self.samples})
+            self.samples = []
         self.last_flush = time.monotonic()
 
     def _write_tensorboard(self) -> None:
