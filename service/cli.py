@@ -10,16 +10,17 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
-from sqlalchemy.orm import Session
 
 from service.client import commands as client_commands
-from service.database import migrate
-from service.database.db import Database
-from service.people import auth, grants
-from service.priority import lower_this_thread
-from service.settings import Settings
 
+# The server's side (SQLAlchemy, Alembic, the settings, auth) is imported by the commands
+# that use it, not here: `halfway jobs` and the other client commands only talk HTTP, and
+# loading the database layer would more than double their start-up time.
 if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from service.database.db import Database
+    from service.settings import Settings
     from workers.supervisor import Supervisor
 
 app = typer.Typer(
@@ -43,8 +44,21 @@ def _setup_logging(json_logs: bool = False) -> None:
 
 
 def _database(settings: Settings) -> Database:
+    from service.database.db import Database
+
     settings.ensure_dirs()
     return Database.connect(settings.resolved_database_url())
+
+
+def _open(revision: str = "head") -> tuple[Settings, Database]:
+    """The settings from the environment, and the database they name, migrated."""
+    from service.database import migrate
+    from service.settings import Settings
+
+    settings = Settings()
+    db = _database(settings)
+    migrate.upgrade(db.engine, revision)
+    return settings, db
 
 
 def _is_loopback(host: str) -> bool:
@@ -80,6 +94,10 @@ def serve(
     import uvicorn
 
     from service.api.app import create_app
+    from service.database import migrate
+    from service.people import auth
+    from service.priority import lower_this_thread
+    from service.settings import Settings
     from workers.supervisor import Supervisor
 
     _setup_logging(json_logs)
@@ -193,9 +211,7 @@ def worker(
     from workers.supervisor import Supervisor, new_worker_id
 
     _setup_logging(json_logs)
-    settings = Settings()
-    db = _database(settings)
-    migrate.upgrade(db.engine)
+    settings, db = _open()
     if launcher not in ("local", "ray"):
         typer.echo(f"--launcher: 'local' or 'ray', not {launcher!r}", err=True)
         raise typer.Exit(2)
@@ -282,9 +298,7 @@ def _ray_supervisors(
 @db_app.command("upgrade")
 def db_upgrade(revision: str = "head") -> None:
     """Apply migrations (to the newest revision by default)."""
-    settings = Settings()
-    db = _database(settings)
-    migrate.upgrade(db.engine, revision)
+    _, db = _open(revision)
     typer.echo(f"database at {revision}: {db.engine.url.render_as_string(hide_password=True)}")
 
 
@@ -298,10 +312,9 @@ def users_add(
 ) -> None:
     """Create a user and print its token (shown once; only a hash is stored)."""
     from service.errors import Conflict
+    from service.people import auth, grants
 
-    settings = Settings()
-    db = _database(settings)
-    migrate.upgrade(db.engine)
+    _, db = _open()
     try:
         with db.write() as session:
             token = auth.add_user(session, name, admin=admin)
@@ -322,9 +335,7 @@ def _change_user(
     from service.errors import HalfwayError
     from service.people.authcache import settle
 
-    settings = Settings()
-    db = _database(settings)
-    migrate.upgrade(db.engine)
+    _, db = _open()
     try:
         with db.write() as session:
             result = change(session)
@@ -344,6 +355,8 @@ def _change_user(
 def users_token(name: str) -> None:
     """Replace a user's token with a new one and print it; the old one stops working at once,
     in every API process."""
+    from service.people import auth
+
     token = _change_user(
         name,
         lambda session: auth.rotate_token(session, name),
@@ -356,6 +369,8 @@ def users_token(name: str) -> None:
 @users_app.command("remove")
 def users_remove(name: str) -> None:
     """Delete a user; its token stops working at once. Its jobs stay (owned by the name)."""
+    from service.people import auth
+
     _change_user(
         name,
         lambda session: auth.remove_user(session, name),
@@ -366,6 +381,8 @@ def users_remove(name: str) -> None:
 @users_app.command("disable")
 def users_disable(name: str) -> None:
     """Refuse a user's token until `halfway users enable NAME`; its jobs go on."""
+    from service.people import auth
+
     _change_user(
         name,
         lambda session: auth.set_disabled(session, name, True),
@@ -376,6 +393,8 @@ def users_disable(name: str) -> None:
 @users_app.command("enable")
 def users_enable(name: str) -> None:
     """Accept a disabled user's token again."""
+    from service.people import auth
+
     _change_user(
         name,
         lambda session: auth.set_disabled(session, name, False),
@@ -389,10 +408,9 @@ class Right(StrEnum):
 
 def _change_grant(name: str, right: Right, give: bool) -> None:
     from service.errors import Conflict
+    from service.people import grants
 
-    settings = Settings()
-    db = _database(settings)
-    migrate.upgrade(db.engine)
+    _, db = _open()
     try:
         with db.write() as session:
             changed = (grants.grant if give else grants.revoke)(session, name, right.value)
@@ -423,9 +441,7 @@ def users_shares() -> None:
     the next to be served first."""
     from service.scheduling import fairshare
 
-    settings = Settings()
-    db = _database(settings)
-    migrate.upgrade(db.engine)
+    settings, db = _open()
     rule = fairshare.Rule.from_settings(settings)
     try:
         with db.read() as session:
@@ -455,9 +471,7 @@ def users_share(name: str, weight: Annotated[float, typer.Argument(min=0.000001)
     from service.errors import HalfwayError
     from service.scheduling import fairshare
 
-    settings = Settings()
-    db = _database(settings)
-    migrate.upgrade(db.engine)
+    _, db = _open()
     try:
         with db.write() as session:
             fairshare.set_weight(session, name, weight)

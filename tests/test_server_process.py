@@ -126,6 +126,24 @@ def test_api_modules_do_not_import_tensorflow() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_a_client_command_runs_without_loading_the_database_layer() -> None:
+    """`halfway jobs` only talks HTTP: it must not pay for SQLAlchemy, Alembic or the server's
+    settings as it starts (they more than doubled every client command's start-up)."""
+    code = (
+        "import atexit, sys\n"
+        "heavy = ('sqlalchemy', 'alembic', 'pydantic_settings', 'fastapi', 'tensorflow')\n"
+        "atexit.register(lambda: print(sorted({m.split('.')[0] for m in sys.modules\n"
+        "    if m.split('.')[0] in heavy or m.startswith('service.database')})))\n"
+        "from service.cli import main\n"
+        # Nothing listens on port 9: the command fails to connect, after parsing and running.
+        "sys.argv = ['halfway', 'jobs', '--url', 'http://127.0.0.1:9', '--token', 'hw_x']\n"
+        "main()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode != 0 and "127.0.0.1:9" in result.stderr, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout + result.stderr
+
+
 @pytest.mark.keras
 def test_readme_example_job_finishes_with_one_row_per_step_and_no_tf_in_the_api(
     server: Server,
