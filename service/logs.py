@@ -39,3 +39,9 @@ def configure(json_logs: bool = False, level: int = logging.INFO) -> None:
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+    # Alembic's INFO lines ("setup plugin ..." as it is imported, which the server commands do
+    # after this; "Context impl", "Running upgrade ...") would repeat what halfway.migrate says
+    # in one line per step. Kept if someone set Alembic's level themselves.
+    alembic = logging.getLogger("alembic")
+    if alembic.level == logging.NOTSET:
+        alembic.setLevel(logging.WARNING)

@@ -28,10 +28,8 @@ from service.database.db import sqlite_begin_immediate
 # pg_advisory_xact_lock's key for schema changes and first-start bootstrap ("halfway").
 LOCK_KEY = 0x68616C66776179
 
+# One line per step says what matters; Alembic's own lines are quieted by service.logs.
 log = logging.getLogger("halfway.migrate")
-# "Context impl SQLiteImpl.", "Will assume non-transactional DDL.", "Running upgrade ...",
-# "setup plugin ...": one line of ours per step says what matters.
-_ALEMBIC = logging.getLogger("alembic")
 
 
 def alembic_config(engine: Engine) -> Config:
@@ -57,7 +55,6 @@ def _locked(engine: Engine) -> Iterator[Connection]:
 def upgrade(engine: Engine, revision: str = "head") -> list[Script]:
     """Bring the schema to ``revision``; the steps applied, oldest first (none at head)."""
     cfg = alembic_config(engine)
-    _quiet_alembic()
     with _locked(engine) as connection:
         before = _heads(connection)
         cfg.attributes["connection"] = connection
@@ -72,7 +69,6 @@ def upgrade(engine: Engine, revision: str = "head") -> list[Script]:
 def downgrade(engine: Engine, revision: str) -> list[Script]:
     """Undo the steps above ``revision``; those undone, newest first."""
     cfg = alembic_config(engine)
-    _quiet_alembic()
     with _locked(engine) as connection:
         before = _heads(connection)
         cfg.attributes["connection"] = connection
@@ -86,11 +82,6 @@ def downgrade(engine: Engine, revision: str) -> list[Script]:
 
 def _heads(connection: Connection) -> tuple[str, ...]:
     return MigrationContext.configure(connection).get_current_heads()
-
-
-def _quiet_alembic() -> None:
-    if _ALEMBIC.level == logging.NOTSET:  # unless someone asked for its lines
-        _ALEMBIC.setLevel(logging.WARNING)
 
 
 def _title(step: Script) -> str:
