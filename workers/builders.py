@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import keras
 
 from workers.losses import build_schedule
 from workers.protocol import JobError
+
+
+@dataclass(frozen=True)
+class _Ends:
+    """What the data and the spec fix at a preset's two ends: the shape of one sample, the
+    classes the labels hold (0 for targets), the head's activation and whether the output
+    is float32."""
+
+    sample_shape: tuple[int, ...]
+    num_classes: int
+    output_float32: bool
+    head: str
 
 
 def build_model(
@@ -25,12 +39,8 @@ def build_model(
     head = head_activation(spec["training"].get("loss", {}).get("name", ""))
     if head != "softmax":
         num_classes = 0  # targets, not class labels: the model's output width is its own
-    if kind == "mlp":
-        built = _mlp(model, sample_shape, num_classes, output_float32, head)
-    elif kind == "cnn":
-        built = _cnn(model, sample_shape, num_classes, output_float32, head)
-    elif kind == "transformer":
-        built = _transformer(model, sample_shape, num_classes, output_float32, head)
+    if kind in _PRESETS:
+        built = _PRESETS[kind](model, _Ends(sample_shape, num_classes, output_float32, head))
     elif kind == "keras":
         built = _from_config(
             model["config"], sample_shape, spec["precision"]["policy"], output_float32
@@ -76,15 +86,9 @@ def _fit_input(
     return layers
 
 
-def _cnn(
-    model: dict[str, Any],
-    sample_shape: tuple[int, ...],
-    num_classes: int,
-    output_float32: bool,
-    head: str = "softmax",
-) -> keras.Model:
-    _check_classes(num_classes, model["num_classes"])
-    layers = _fit_input(sample_shape, tuple(model["input_shape"]), "input_shape")
+def _cnn(model: dict[str, Any], ends: _Ends) -> keras.Model:
+    _check_classes(ends.num_classes, model["num_classes"])
+    layers = _fit_input(ends.sample_shape, tuple(model["input_shape"]), "input_shape")
     for i, filters in enumerate(model["filters"]):
         layers += [
             keras.layers.Conv2D(
@@ -102,20 +106,14 @@ def _cnn(
     ]
     if model.get("dropout"):
         layers.append(keras.layers.Dropout(model["dropout"], name="dropout"))
-    layers += _classifier_head(model["num_classes"], output_float32, head)
+    layers += _classifier_head(model["num_classes"], ends)
     return keras.Sequential(layers, name="cnn")
 
 
-def _transformer(
-    model: dict[str, Any],
-    sample_shape: tuple[int, ...],
-    num_classes: int,
-    output_float32: bool,
-    head: str = "softmax",
-) -> keras.Model:
-    _check_classes(num_classes, model["num_classes"])
+def _transformer(model: dict[str, Any], ends: _Ends) -> keras.Model:
+    _check_classes(ends.num_classes, model["num_classes"])
     seq, width = model["sequence_length"], model["embed_dim"]
-    (inputs, *reshape) = _fit_input(sample_shape, (seq, model["features"]), "sequence_length")
+    (inputs, *reshape) = _fit_input(ends.sample_shape, (seq, model["features"]), "sequence_length")
     x = inputs
     for layer in reshape:
         x = layer(x)
@@ -135,7 +133,7 @@ def _transformer(
             ff = keras.layers.Dropout(model["dropout"], name=f"dropout_{i}")(ff)
         x = keras.layers.LayerNormalization(name=f"norm_f{i}")(x + ff)
     x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
-    for layer in _classifier_head(model["num_classes"], output_float32, head):
+    for layer in _classifier_head(model["num_classes"], ends):
         x = layer(x)
     return keras.Model(inputs, x, name="transformer")
 
@@ -212,10 +210,9 @@ def _set_policies(config: dict[str, Any], policy: str, output_float32: bool) -> 
             break
 
 
-def _classifier_head(
-    num_classes: int, output_float32: bool, activation: str = "softmax"
-) -> list[keras.layers.Layer]:
-    if output_float32:
+def _classifier_head(num_classes: int, ends: _Ends) -> list[keras.layers.Layer]:
+    activation = ends.head
+    if ends.output_float32:
         # The TensorFlow guide's advice: logits in the compute dtype, softmax in float32 so
         # its exp() cannot overflow float16.
         return [
@@ -225,31 +222,30 @@ def _classifier_head(
     return [keras.layers.Dense(num_classes, activation=activation, name="predictions")]
 
 
-def _mlp(
-    model: dict[str, Any],
-    sample_shape: tuple[int, ...],
-    num_classes: int,
-    output_float32: bool,
-    head: str = "softmax",
-) -> keras.Model:
-    features = 1
-    for d in sample_shape:
-        features *= d
+def _mlp(model: dict[str, Any], ends: _Ends) -> keras.Model:
+    features = math.prod(ends.sample_shape)
     if features != model["input_size"]:
         raise JobError(
             f"model.input_size is {model['input_size']} but the data has {features} features "
-            f"per sample (shape {sample_shape})"
+            f"per sample (shape {ends.sample_shape})"
         )
-    _check_classes(num_classes, model["num_classes"])
-    layers: list[keras.layers.Layer] = [keras.Input(shape=sample_shape, name="inputs")]
-    if len(sample_shape) > 1:
+    _check_classes(ends.num_classes, model["num_classes"])
+    layers: list[keras.layers.Layer] = [keras.Input(shape=ends.sample_shape, name="inputs")]
+    if len(ends.sample_shape) > 1:
         layers.append(keras.layers.Flatten(name="flatten"))
     for i, width in enumerate(model["hidden"]):
         layers.append(keras.layers.Dense(width, activation=model["activation"], name=f"dense_{i}"))
         if model.get("dropout"):
             layers.append(keras.layers.Dropout(model["dropout"], name=f"dropout_{i}"))
-    layers += _classifier_head(model["num_classes"], output_float32, head)
+    layers += _classifier_head(model["num_classes"], ends)
     return keras.Sequential(layers, name="mlp")
+
+
+_PRESETS: dict[str, Callable[[dict[str, Any], _Ends], keras.Model]] = {
+    "mlp": _mlp,
+    "cnn": _cnn,
+    "transformer": _transformer,
+}
 
 
 def build_optimizer(opt: dict[str, Any]) -> keras.optimizers.Optimizer:
