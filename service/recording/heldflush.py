@@ -145,10 +145,15 @@ class HeldAppender:
         by COPY), the lease is not ours, or the history is not where ``held`` says. The
         caller then takes the general path, which tells these apart. Raises
         ``psycopg.OperationalError`` if the database cannot be reached."""
-        params = _held_params(job_id, worker_id, lease_seconds, held, records, steps_per_second)
+        params = _held_params(held, records, steps_per_second)
         if params is None:
             return None
-        params["synchronous_commit"] = "on" if durable else "off"
+        params |= {
+            "job_id": job_id,
+            "worker_id": worker_id,
+            "lease_seconds": float(lease_seconds),
+            "synchronous_commit": "on" if durable else "off",
+        }
         while True:
             reused = self._conn is not None and not self._conn.closed
             try:
@@ -169,16 +174,11 @@ class HeldAppender:
 
 
 def _held_params(
-    job_id: int,
-    worker_id: str,
-    lease_seconds: float,
-    held: Held,
-    records: Sequence[StepRecord],
-    steps_per_second: float | None,
+    held: Held, records: Sequence[StepRecord], steps_per_second: float | None
 ) -> dict[str, Any] | None:
-    """The statement's parameters: the batch's columns, events and block summaries as
-    binary arrays, the summary's new values and what each counter grows by. None if the
-    batch does not only append."""
+    """The statement's parameters but the lease's: the batch's columns, events and block
+    summaries as binary arrays, the summary's new values and what each counter grows by.
+    None if the batch does not only append."""
     if not records or len(records) >= COPY_ROWS:
         return None
     if held.last_step is not None and records[0].step <= held.last_step:
@@ -194,9 +194,6 @@ def _held_params(
     overflows = int(len(records) - np.count_nonzero(values[:, 4]))
     last = records[-1]
     params: dict[str, Any] = {
-        "job_id": job_id,
-        "worker_id": worker_id,
-        "lease_seconds": float(lease_seconds),
         "held_last_step": held.last_step,
         "held_loss_scale": held.loss_scale,
         "j_last_step": last.step,
