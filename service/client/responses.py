@@ -7,34 +7,25 @@ from typing import Any
 
 import httpx
 
+from service.client import errors
 from service.client.config import Target
-from service.client.errors import (
-    Conflict,
-    Forbidden,
-    HalfwayError,
-    Invalid,
-    NotFound,
-    ServerError,
-    Unauthorized,
-    Unreachable,
-)
 
 
 def response_json(response: httpx.Response) -> Any:
     try:
         return response.json()
     except ValueError:
-        raise ServerError(
+        raise errors.ServerError(
             f"{response.request.url} answered {response.status_code} with something that is "
             "not JSON; is the URL a Halfway server?"
         ) from None
 
 
-def unreachable(url: str, exc: httpx.TransportError) -> Unreachable:
+def unreachable(url: str, exc: httpx.TransportError) -> errors.Unreachable:
     reason = str(exc) or type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
         reason = f"timed out ({reason})"
-    return Unreachable(
+    return errors.Unreachable(
         f"cannot reach Halfway at {url}: {reason}",
         ["Is the server running (halfway serve)? Point elsewhere with --url or HALFWAY_URL."],
     )
@@ -55,30 +46,30 @@ def _error_body(response: httpx.Response) -> tuple[str, list[dict[str, Any]]]:
     return text or response.reason_phrase, []
 
 
-def api_error(response: httpx.Response, target: Target) -> HalfwayError:
+def api_error(response: httpx.Response, target: Target) -> errors.HalfwayError:
     status = response.status_code
     message, fields = _error_body(response)
     if status == 401:
         sent = f"the token came from {target.token_source}" if target.token else "no token was sent"
-        return Unauthorized(
+        return errors.Unauthorized(
             "token missing or invalid; set HALFWAY_TOKEN or --token",
             [f"server said: {message} ({sent})"],
         )
-    simple: dict[int, tuple[str, type[HalfwayError]]] = {
-        403: ("forbidden", Forbidden),
-        404: ("not found", NotFound),
-        409: ("conflict", Conflict),
+    simple: dict[int, tuple[str, type[errors.HalfwayError]]] = {
+        403: ("forbidden", errors.Forbidden),
+        404: ("not found", errors.NotFound),
+        409: ("conflict", errors.Conflict),
     }
     if status in simple:
         label, kind = simple[status]
         return kind(f"{label}: {message}")
     if status == 413:
-        return Invalid(f"too large: {message}")
+        return errors.Invalid(f"too large: {message}")
     if status in (400, 422):
         details = [
             f"{f.get('field', '?')}: {f.get('message', '')} (rule: {f.get('rule', '?')})"
             for f in fields
         ]
         headline = "the server refused the input" + (":" if details else f": {message}")
-        return Invalid(headline, details, fields)
-    return ServerError(f"server error {status}: {message}")
+        return errors.Invalid(headline, details, fields)
+    return errors.ServerError(f"server error {status}: {message}")
