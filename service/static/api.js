@@ -82,3 +82,31 @@ export async function request(method, url, body) {
   }
   return response;
 }
+
+/** One read at a time for the selected job (``state.id``): a call while a read runs asks for
+ * one more right after it, since two at once would move a cursor twice. A 404 (the job went
+ * away) and a failure for a job no longer selected are dropped; any other goes to onError. */
+export function oneAtATime(state, read, onError) {
+  async function run() {
+    if (state.busy) {
+      state.again = true;
+      return;
+    }
+    state.busy = true;
+    const id = state.id;
+    try {
+      await read(id);
+    } catch (err) {
+      if (id !== state.id) return;
+      if (err instanceof HttpError && err.status === 404) return;
+      onError(err);
+    } finally {
+      state.busy = false;
+      if (state.again && id === state.id) {
+        state.again = false;
+        run();
+      }
+    }
+  }
+  return run;
+}

@@ -36,7 +36,7 @@ import { CONFIG } from "./config.js";
 import { $, el, fmtInt, fmtNumber, fmtScale, fmtTime, setText } from "./format.js";
 import { comparison, hooks, jobRows, selection } from "./state.js";
 import { hashParams, setHash } from "./address.js";
-import { api, HttpError, request, storedToken, takeTokenFromUrl } from "./api.js";
+import { api, oneAtATime, request, storedToken, takeTokenFromUrl } from "./api.js";
 import { chartWidth } from "./charts.js";
 import { forgetToken, kick, onTokenSubmit, startPolling, tokenRefused } from "./poll.js";
 import { compareFromHash, refreshCompare } from "./compare.js";
@@ -52,11 +52,11 @@ import { HalfwayPanels } from "./panels.js";
 
 // The selected job's gradient band, per-layer table and precision decision (gradients.js):
 // told of each selection, each change of the job and each zoom.
-const gradients = HalfwayGradients({ api, el, setText, fmtInt, fmtNumber, fmtScale,
-  chartWidth, HttpError });
+const gradients = HalfwayGradients({ api, oneAtATime, el, setText, fmtInt, fmtNumber, fmtScale,
+  chartWidth });
 
 // The selected job's metrics per epoch (metrics.js): read only when an epoch ended.
-const epochMetrics = HalfwayMetrics({ api, el, setText, fmtInt, fmtNumber, HttpError });
+const epochMetrics = HalfwayMetrics({ api, oneAtATime, el, setText, fmtInt, fmtNumber });
 
 const panels = HalfwayPanels({ el, setText, fmtInt, fmtTime, fmtScale, request,
   pollMs: CONFIG.pollMs, token: storedToken,

@@ -46,7 +46,7 @@ function fmtError(v) {
 }
 
 export function HalfwayGradients(h) {
-  const { api, el, setText, fmtInt, fmtNumber, fmtScale, chartWidth, HttpError } = h;
+  const { api, oneAtATime, el, setText, fmtInt, fmtNumber, fmtScale, chartWidth } = h;
   const $ = (selector) => document.querySelector(selector);
 
   /** 2 with the exponent raised: a log2 magnitude as the power of two it is. */
@@ -123,31 +123,18 @@ export function HalfwayGradients(h) {
     $("#gradient-layers").replaceChildren();
   }
 
-  /** Read the samples after the cursor; never two reads at once (the cursor would move
-   * twice), a change that comes meanwhile is read right after. */
-  async function update() {
-    if (state.busy) {
-      state.again = true;
-      return;
-    }
-    state.busy = true;
-    const id = state.id;
-    try {
+  /** Read the samples after the cursor (one read at a time, see oneAtATime). */
+  const update = oneAtATime(
+    state,
+    async (id) => {
       await pull(id);
       if (id === state.id) draw();
-    } catch (err) {
-      if (id !== state.id) return;
-      if (err instanceof HttpError && err.status === 404) return; // the job went away
+    },
+    (err) => {
       setText($("#gradient-caption"), `gradient samples could not be read: ${err.message}`);
       console.warn("gradient samples", err);
-    } finally {
-      state.busy = false;
-      if (state.again && id === state.id) {
-        state.again = false;
-        update();
-      }
-    }
-  }
+    },
+  );
 
   async function pull(id) {
     for (let page = 0; page < MAX_PAGES && state.cursor < state.wanted; page++) {

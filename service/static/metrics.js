@@ -31,7 +31,7 @@ function groupNames(found) {
 }
 
 export function HalfwayMetrics(h) {
-  const { api, el, setText, fmtInt, fmtNumber, HttpError } = h;
+  const { api, oneAtATime, el, setText, fmtInt, fmtNumber } = h;
   const $ = (selector) => document.querySelector(selector);
 
   const state = {
@@ -65,33 +65,21 @@ export function HalfwayMetrics(h) {
     update();
   }
 
-  async function update() {
-    if (state.busy) {
-      state.again = true;
-      return;
-    }
-    state.busy = true;
-    const id = state.id;
-    try {
+  const update = oneAtATime(
+    state,
+    async (id) => {
       const { body, changed } = await api(`/v1/jobs/${id}/metrics`, "epoch-metrics");
       if (id !== state.id) return;
       if (changed || !state.charts.length) {
         state.epochs = body.epochs;
         draw();
       }
-    } catch (err) {
-      if (id !== state.id) return;
-      if (err instanceof HttpError && err.status === 404) return; // the job went away
+    },
+    (err) => {
       setText($("#epoch-metrics-caption"), `metrics could not be read: ${err.message}`);
       console.warn("epoch metrics", err);
-    } finally {
-      state.busy = false;
-      if (state.again && id === state.id) {
-        state.again = false;
-        update();
-      }
-    }
-  }
+    },
+  );
 
   function destroy() {
     for (const chart of state.charts) chart.destroy();
