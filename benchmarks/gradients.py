@@ -79,17 +79,17 @@ from recording_overhead import (
     Data,
     Timed,
     TimedStream,
+    example_spe,
     example_spec,
     fit_epochs,
     spread,
+    stream_for,
 )
 
 from service.specs.schemas import GradientsSpec
 from workers import data as data_mod
-from workers.checkpointer import Checkpointer
 from workers.context import RunContext
 from workers.feed import epoch_dataset
-from workers.guards import Guards
 from workers.protocol import Message
 from workers.trainer import DEFAULT_STEPS_PER_EXECUTION, build_trainer
 from workers.training import train
@@ -139,27 +139,10 @@ class MeterPath:
 
     def __post_init__(self) -> None:
         self.counts = Counts()
-        self.spe = self.spec["training"]["steps_per_execution"] or min(
-            DEFAULT_STEPS_PER_EXECUTION, self.data.steps_per_epoch
-        )
+        self.spe = example_spe(self.spec, self.data)
         self.built = build_trainer(self.spec, (784,), 10, self.spe)
-        ctx = RunContext(
-            job_id=0,
-            spec=self.spec,
-            job_dir=self.job_dir,
-            data_dir=self.job_dir,
-            emit=self.counts.receive,
-            stop=threading.Event(),
-        )
-        self.job_dir.mkdir(parents=True, exist_ok=True)
-        ls = self.spec["loss_scale"]
-        self.stream = MeterStream(
-            ctx,
-            self.built.recorder,
-            Guards(self.spec["guards"], ls["min_scale"]),
-            Checkpointer(self.job_dir),
-            self.spec["training"]["checkpoint_every"],
-            BATCH,
+        self.stream = stream_for(
+            self.spec, self.job_dir, self.built, self.counts.receive, MeterStream
         )
 
     def run_epochs(self, first: int, epochs: int) -> None:
@@ -240,14 +223,7 @@ def steady(args: argparse.Namespace, home: Path) -> tuple[bool, float]:
     median seconds of a plain step."""
     defaults = meter_spec(args.samples, home, None, checkpoint_every=10**9)
     every, shadow_every = defaults["gradients"]["every"], defaults["gradients"]["shadow_every"]
-    arrays = data_mod.load_arrays(defaults["data"], defaults["training"], home)
-    data = Data(
-        arrays.x_train,
-        arrays.y_train,
-        tf.constant(arrays.x_train),
-        tf.constant(arrays.y_train),
-        defaults["training"]["seed"],
-    )
+    data = Data.of(defaults, home)
     per_epoch = data.steps_per_epoch
     configs: list[tuple[str, dict[str, Any] | None]] = [
         ("off", OFF),

@@ -211,17 +211,28 @@ def generator_seconds(children: resource.struct_rusage, own: float) -> float:
     )
 
 
-async def loaded_window(
-    args: argparse.Namespace,
-    progress: Progress,
-    base: str,
-    token: str,
-    job_id: int,
-    server_pid: int,
-    use_wrk: bool,
-) -> tuple[float, float, float, float, Stats, dict[str, tuple[float, float]]]:
-    """(steps/s, the server's share of a core, the database's, the generator's, the poll
-    stats, latencies)."""
+@dataclass(frozen=True)
+class Bench:
+    """What a window measures: the options, the database's progress reader, the server (its
+    URL, a token and its pid) and the job training meanwhile."""
+
+    args: argparse.Namespace
+    progress: Progress
+    base: str
+    token: str
+    job_id: int
+    server_pid: int
+
+
+# (steps/s, the server's share of a core, the database's, the generator's, the poll stats,
+# latencies)
+Window = tuple[float, float, float, float, Stats, dict[str, tuple[float, float]]]
+
+
+async def loaded_window(bench: Bench, use_wrk: bool) -> Window:
+    """A window with pollers (or wrk) on the job and, with --jobs, on the list."""
+    args, progress, base, token = bench.args, bench.progress, bench.base, bench.token
+    job_id, server_pid = bench.job_id, bench.server_pid
     stats = Stats()
     server_cpu, db_cpu = cpu_seconds(server_pid), database_seconds(progress)
     children, own = resource.getrusage(resource.RUSAGE_CHILDREN), time.process_time()
@@ -264,16 +275,11 @@ async def loaded_window(
     return loaded, server_share, db_share, generator_share, stats, latency
 
 
-async def listening_window(
-    args: argparse.Namespace,
-    progress: Progress,
-    base: str,
-    token: str,
-    job_id: int,
-    server_pid: int,
-) -> tuple[float, float, float, float, Stats, dict[str, tuple[float, float]]]:
+async def listening_window(bench: Bench) -> Window:
     """As ``loaded_window``, for dashboards that listen (listeners.py). The window starts
     once every stream is open and answering: opening is a dashboard's one-off cost."""
+    args, progress, base, token = bench.args, bench.progress, bench.base, bench.token
+    job_id, server_pid = bench.job_id, bench.server_pid
     script = Path(__file__).with_name("listeners.py")
     command = [sys.executable, str(script), "--base", base, "--token", token]
     command += ["--job", str(job_id), "--count", str(args.pollers), "--seconds", str(args.seconds)]
@@ -343,11 +349,10 @@ async def run(
         before, before_cpu, before_db = await quiet_window(
             progress, job_id, args.baseline, server_pid
         )
+        bench = Bench(args, progress, base, token, job_id, server_pid)
         for _ in range(args.runs):
             loaded, loaded_cpu, loaded_db, generator_cpu, stats, latency = await (
-                listening_window(args, progress, base, token, job_id, server_pid)
-                if args.listen
-                else loaded_window(args, progress, base, token, job_id, server_pid, use_wrk)
+                listening_window(bench) if args.listen else loaded_window(bench, use_wrk)
             )
             after, after_cpu, after_db = await quiet_window(
                 progress, job_id, args.baseline, server_pid

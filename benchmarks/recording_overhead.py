@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -67,7 +67,7 @@ from workers.guards import Guards
 from workers.protocol import Message
 from workers.recording import StepRecorder
 from workers.stream import StepStream
-from workers.trainer import DEFAULT_STEPS_PER_EXECUTION, build_trainer
+from workers.trainer import DEFAULT_STEPS_PER_EXECUTION, Built, build_trainer
 
 BATCH = 128
 TARGET_SAME_SPE = 1.03
@@ -103,6 +103,13 @@ class Data:
         return data_mod.steps_per_epoch(len(self.x), BATCH, None)
 
     feed: EpochFeed | None = None
+
+    @classmethod
+    def of(cls, spec: dict[str, Any], home: Path) -> Data:
+        """The spec's training data, loaded as train() loads it, and held as constants."""
+        arrays = data_mod.load_arrays(spec["data"], spec["training"], home)
+        x, y = arrays.x_train, arrays.y_train
+        return cls(x, y, tf.constant(x), tf.constant(y), spec["training"]["seed"])
 
     def epoch(self, epoch: int) -> Any:
         """That epoch's batches from one pipeline built once, as train() feeds them."""
@@ -146,6 +153,39 @@ class TimedStream(StepStream):
         self.host_seconds += time.perf_counter() - start
 
 
+S = TypeVar("S", bound=TimedStream)
+
+
+def example_spe(spec: dict[str, Any], data: Data) -> int:
+    """The steps per execution train() picks for the spec and data."""
+    return int(
+        spec["training"]["steps_per_execution"]
+        or min(DEFAULT_STEPS_PER_EXECUTION, data.steps_per_epoch)
+    )
+
+
+def stream_for(
+    spec: dict[str, Any],
+    job_dir: Path,
+    built: Built,
+    emit: Callable[[Message], None],
+    stream_class: type[S],
+) -> S:
+    """train()'s step stream for ``built``: checkpoints in ``job_dir``, messages to ``emit``."""
+    ctx = RunContext(
+        job_id=0, spec=spec, job_dir=job_dir, data_dir=job_dir, emit=emit, stop=threading.Event()
+    )
+    job_dir.mkdir(parents=True, exist_ok=True)
+    return stream_class(
+        ctx,
+        built.recorder,
+        Guards(spec["guards"], spec["loss_scale"]["min_scale"]),
+        Checkpointer(job_dir),
+        spec["training"]["checkpoint_every"],
+        BATCH,
+    )
+
+
 @dataclass
 class HalfwayPath:
     spec: dict[str, Any]
@@ -155,28 +195,9 @@ class HalfwayPath:
     trained: int = 0
 
     def __post_init__(self) -> None:
-        self.spe = self.spec["training"]["steps_per_execution"] or min(
-            DEFAULT_STEPS_PER_EXECUTION, self.data.steps_per_epoch
-        )
+        self.spe = example_spe(self.spec, self.data)
         self.built = build_trainer(self.spec, (784,), 10, self.spe)
-        ctx = RunContext(
-            job_id=0,
-            spec=self.spec,
-            job_dir=self.job_dir,
-            data_dir=self.job_dir,
-            emit=self.receive,
-            stop=threading.Event(),
-        )
-        self.job_dir.mkdir(parents=True, exist_ok=True)
-        ls = self.spec["loss_scale"]
-        self.stream = TimedStream(
-            ctx,
-            self.built.recorder,
-            Guards(self.spec["guards"], ls["min_scale"]),
-            Checkpointer(self.job_dir),
-            self.spec["training"]["checkpoint_every"],
-            BATCH,
-        )
+        self.stream = stream_for(self.spec, self.job_dir, self.built, self.receive, TimedStream)
 
     def receive(self, message: Message) -> None:
         if message["type"] == "steps":
@@ -312,14 +333,7 @@ def main() -> None:
 
 def measure(args: argparse.Namespace, home: Path) -> None:
     defaults = example_spec(args.samples, home)
-    arrays = data_mod.load_arrays(defaults["data"], defaults["training"], home)
-    data = Data(
-        arrays.x_train,
-        arrays.y_train,
-        tf.constant(arrays.x_train),
-        tf.constant(arrays.y_train),
-        defaults["training"]["seed"],
-    )
+    data = Data.of(defaults, home)
     per_epoch = data.steps_per_epoch
     spe = args.spe or min(DEFAULT_STEPS_PER_EXECUTION, per_epoch)
     # (a) measures recording, not checkpoint writes; (b) is the whole default path.
