@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.cpu import CpuPrecision, cpu_flags, cpu_warnings
+from workers.cpu import CpuPrecision, cpu_flags, cpu_warnings, tensorflow_env
 
 AMD_ZEN3 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n"
 SKYLAKE_SP = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512vl\n"
@@ -62,3 +62,21 @@ def test_the_graph_rewrite_is_called_a_no_op_emulated_or_nothing_by_the_cpu() ->
     assert "emulated" in emulated and "no-op" not in emulated
     assert cpu_warnings("float32", True, spr) == []
     assert cpu_warnings("float32", False, amd) == []
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "float16"])
+def test_a_float16_job_runs_without_onednn_only_on_a_cpu_with_float16_instructions(
+    policy: str,
+) -> None:
+    spr = CpuPrecision.from_flags(cpu_flags(SAPPHIRE), "x86_64")
+    amd = CpuPrecision.from_flags(cpu_flags(AMD_ZEN3), "x86_64")
+    assert tensorflow_env(policy, spr, {}) == {"TF_ENABLE_ONEDNN_OPTS": "0"}
+    assert tensorflow_env(policy, amd, {}) == {}
+    # The worker's own setting passes to the child as it is (sandbox.child_env's allow-list).
+    assert tensorflow_env(policy, spr, {"TF_ENABLE_ONEDNN_OPTS": "1"}) == {}
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "bfloat16", "auto"])
+def test_other_policies_keep_onednn_on_every_cpu(policy: str) -> None:
+    spr = CpuPrecision.from_flags(cpu_flags(SAPPHIRE), "x86_64")
+    assert tensorflow_env(policy, spr, {}) == {}

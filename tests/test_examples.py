@@ -11,6 +11,7 @@ import yaml
 
 from tests.live import Live, halfway
 from tests.reference import expected_scales
+from workers.cpu import CpuPrecision
 
 pytestmark = pytest.mark.keras
 
@@ -29,8 +30,7 @@ def history(live: Live, job_id: int) -> list[dict[str, Any]]:
 
 
 def submit_and_watch(live: Live, name: str) -> dict[str, Any]:
-    # The examples train in full, in their own policy: on a CPU whose float16 kernels are slow
-    # (seen on one with AVX512-FP16) a mixed_float16 example takes minutes.
+    # The examples train in full, in their own policy; the sweep trains three of them.
     result = halfway(live, "submit", str(EXAMPLES / name), "--watch", timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     page = live.api("GET", "/v1/jobs?limit=1")
@@ -45,6 +45,9 @@ def test_classic(live: Live, worker: Any) -> None:
     rows = history(live, job["id"])
     assert len(rows) == job["progress"]["total_steps"] == 5 * 313
     assert job["spec"]["precision"]["policy"] == "mixed_float16"
+    # As TensorFlow in the child reported it: off where oneDNN's float16 kernels are the slow
+    # ones (a CPU with float16 instructions), on elsewhere.
+    assert job["device"]["onednn"] is not CpuPrecision.detect().float16_native
 
 
 def test_bfloat16(live: Live, worker: Any) -> None:
@@ -53,6 +56,7 @@ def test_bfloat16(live: Live, worker: Any) -> None:
     assert {r["loss_scale"] for r in history(live, job["id"])} == {1.0}
     dense = next(r for r in job["precision_report"] if r["layer"] == "dense_0")
     assert dense["compute_dtype"] == "bfloat16" and dense["variable_dtype"] == "float32"
+    assert job["device"]["onednn"] is True  # bfloat16 keeps oneDNN on every CPU
 
 
 def test_fixed_scale(live: Live, worker: Any) -> None:

@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from workers.cpu import compute_16bit
 from workers.protocol import Sample
 
 WORST_LAYERS = 3
@@ -38,7 +39,7 @@ class GradientAlarms:
         self.share: float | None = cfg.get("alarm_share")
         self.needed = int(cfg.get("alarm_samples", 3))
         self.guard = bool(cfg.get("guard", False))
-        self.float16 = _computes_float16(spec["precision"]["policy"])
+        self.float16 = compute_16bit(spec["precision"]["policy"]) == "float16"
         ls = spec["loss_scale"]
         self.mode: str = ls["mode"]
         # The recorded scale is a float32: compare with the floor as the scaler clamps to it.
@@ -113,7 +114,3 @@ def _worst_headroom(sample: dict[str, Any]) -> str:
         key=lambda v: float(v["headroom"]),
     )[:WORST_LAYERS]
     return ", ".join(f"{v['name']} ({v['headroom']:.1f})" for v in ranked) or "none"
-
-
-def _computes_float16(policy: Any) -> bool:
-    return isinstance(policy, str) and policy in ("mixed_float16", "float16")

@@ -14,6 +14,7 @@ Three facts decide what a CPU job's precision settings really do:
 from __future__ import annotations
 
 import platform
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,12 +62,33 @@ class CpuPrecision:
         return cls.from_flags(cpu_flags())
 
 
+def compute_16bit(policy: str) -> str | None:
+    """The 16-bit type a Keras policy name computes in ("float16", "bfloat16"), else None."""
+    if policy in ("mixed_float16", "float16"):
+        return "float16"
+    return "bfloat16" if "bfloat16" in policy else None
+
+
+def tensorflow_env(policy: str, cpu: CpuPrecision, source: Mapping[str, str]) -> dict[str, str]:
+    """TensorFlow settings for a CPU job's child, which must be in its environment before it
+    imports TensorFlow. On a CPU with float16 instructions TensorFlow hands float16 ops to
+    oneDNN, whose float16 kernels there are the slow ones: a fused MatMul+BiasAdd or a
+    convolution's gradient ran a hundred times slower than in float32, and a mixed_float16
+    MLP trained 25 to 30 times slower than float32 (``benchmarks/float16_cpu.py``), while
+    TensorFlow's own float16 kernels keep float32's pace. So a job computing in float16 runs
+    with oneDNN off; float32 and bfloat16 keep it (it is what makes them fast), and so does an
+    ``auto`` job, which probes all three in one process. A worker that sets
+    TF_ENABLE_ONEDNN_OPTS itself has the last word."""
+    float16 = compute_16bit(policy) == "float16" and cpu.float16_native
+    if float16 and "TF_ENABLE_ONEDNN_OPTS" not in source:
+        return {"TF_ENABLE_ONEDNN_OPTS": "0"}
+    return {}
+
+
 def cpu_warnings(policy: str, graph_rewrite: bool, cpu: CpuPrecision) -> list[str]:
     """What a job on this CPU should be told about its precision settings."""
     warnings: list[str] = []
-    compute = {"mixed_float16": "float16", "float16": "float16"}.get(policy) or (
-        "bfloat16" if "bfloat16" in policy else None
-    )
+    compute = compute_16bit(policy)
     if compute == "float16":
         have = (
             "has float16 instructions (AVX512-FP16/AMX-FP16)"

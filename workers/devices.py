@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.python.util import _pywrap_util_port
 
 from workers.context import RunContext
-from workers.cpu import CpuPrecision, cpu_warnings
+from workers.cpu import CpuPrecision, compute_16bit, cpu_warnings
 
 
 def configure_devices(ctx: RunContext) -> dict[str, Any]:
@@ -18,6 +19,9 @@ def configure_devices(ctx: RunContext) -> dict[str, Any]:
         # Take memory as needed rather than all of it, so a job's footprint is its own.
         tf.config.experimental.set_memory_growth(gpu, True)
     info: dict[str, Any] = {"gpus": [g.name for g in gpus], "warnings": []}
+    # Whether TensorFlow's CPU kernels go through oneDNN, as TensorFlow itself reports it: the
+    # launcher turns it off for a float16 job on some CPUs (workers.cpu.tensorflow_env).
+    info["onednn"] = bool(_pywrap_util_port.IsMklEnabled())
     for gpu in gpus:
         details = tf.config.experimental.get_device_details(gpu)
         cc = details.get("compute_capability")
@@ -61,9 +65,7 @@ def hardware_warnings(
     if not capabilities:
         return cpu_warnings(policy, graph_rewrite, cpu or CpuPrecision.detect())
     warnings: list[str] = []
-    compute = {"mixed_float16": "float16", "float16": "float16"}.get(policy) or (
-        "bfloat16" if "bfloat16" in policy else None
-    )
+    compute = compute_16bit(policy)
     if compute is None:
         return warnings
     need = (8, 0) if compute == "bfloat16" else (7, 0)

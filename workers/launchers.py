@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Protocol
 
-from workers import entry, sandbox, staging
+from workers import cpu, entry, sandbox, staging
 from workers.protocol import JobError, Message, Started
 
 Trainer = Callable[[dict[str, Any], Connection], None]
@@ -159,12 +159,14 @@ class LocalHandle:
         child |= {"message_fd": sender_fd, "control_fd": control_r}
         roots = sandbox.code_roots([child["trainer"].partition(":")[0]])
         keras_home = _keras_datasets()
+        extra = {"PYTHONPATH": sandbox.python_path(roots)}
+        if isolated and keras_home:
+            extra["KERAS_HOME"] = str(sandbox.KERAS)
+        if not child["gpu_ids"]:
+            policy = payload["spec"]["precision"]["policy"]
+            extra |= cpu.tensorflow_env(policy, cpu.CpuPrecision.detect(), os.environ)
         env = sandbox.child_env(
-            os.environ,
-            home=Path(child["job_dir"]),
-            gpu_ids=child["gpu_ids"],
-            extra={"PYTHONPATH": sandbox.python_path(roots)}
-            | ({"KERAS_HOME": str(sandbox.KERAS)} if isolated and keras_home else {}),
+            os.environ, home=Path(child["job_dir"]), gpu_ids=child["gpu_ids"], extra=extra
         )
         argv = [sys.executable, "-m", "workers.entry"]
         pass_fds = [sender_fd, control_r]
