@@ -69,6 +69,11 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The example computes in float16: its environment is the one the launcher gives such a
+# training child (oneDNN off on a CPU whose oneDNN float16 kernels are slow; workers/cpu.py).
+from workers.cpu import CpuPrecision, tensorflow_env
+
+os.environ.update(tensorflow_env("mixed_float16", CpuPrecision.detect(), os.environ))
 
 import keras
 import results

@@ -49,6 +49,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The example computes in float16: its environment is the one the launcher gives such a
+# training child (oneDNN off on a CPU whose oneDNN float16 kernels are slow; workers/cpu.py).
+from workers.cpu import CpuPrecision, tensorflow_env
+
+os.environ.update(tensorflow_env("mixed_float16", CpuPrecision.detect(), os.environ))
 
 import keras
 import numpy as np
