@@ -294,6 +294,13 @@ TINY = {
 }
 
 
+# Long enough that bob's job preempts alice's before her second overflow even where a step
+# takes a millisecond: with 2,000 steps, a float16 job on a CPU whose float16 runs at
+# float32's pace once finished before the preemption came.
+LONG_EPOCHS = 60
+LONG_STEPS = LONG_EPOCHS * 100
+
+
 def long_spec(epochs: int, overflows: list[int]) -> dict[str, Any]:
     """A job that runs long enough to be preempted (100 steps an epoch), checkpointing every
     200 steps, its scale growing every 150 clean steps so that growths straddle the pause."""
@@ -345,8 +352,8 @@ def check_exact_history(api: Api, job: dict[str, Any], overflows: list[int]) -> 
 def test_a_preempted_keras_job_resumes_exactly_and_records_the_preemption(
     api: Api, team: Team, db: Database, settings: Settings
 ) -> None:
-    overflows = [30, 1960]
-    long_id = submit(api, long_spec(20, overflows))  # alice's, 2000 steps
+    overflows = [30, LONG_STEPS - 40]
+    long_id = submit(api, long_spec(LONG_EPOCHS, overflows))  # alice's
     with slot(db, preempting(settings)):
         until(api, long_id, lambda j: (j["summary"]["last_step"] or 0) >= 100)
         bobs = submit(api.as_user(team.bob), TINY)  # bob has used nothing: far below alice
@@ -373,8 +380,8 @@ def test_a_child_killed_during_the_preemption_stop_leaves_a_job_that_resumes_exa
     # The stop's SIGTERM becomes a SIGKILL: no checkpoint on the stop, rows past the last
     # acknowledged checkpoint were written and must be replaced by the resumed attempt's.
     monkeypatch.setattr(LocalHandle, "stop", LocalHandle.kill)
-    overflows = [30, 1960]
-    long_id = submit(api, long_spec(20, overflows))
+    overflows = [30, LONG_STEPS - 40]
+    long_id = submit(api, long_spec(LONG_EPOCHS, overflows))
     with slot(db, preempting(settings)):
         until(api, long_id, lambda j: (j["summary"]["checkpoint_step"] or 0) >= 200)
         bobs = submit(api.as_user(team.bob), TINY)
@@ -400,8 +407,8 @@ def test_a_preemption_whose_checkpoint_cannot_reach_the_store_leaves_a_job_that_
     # The store goes down once the job is asked to stop: the stop's checkpoint (and any
     # other from then on) is not stored, so the job must go back to the queue from its last
     # acknowledged checkpoint and replace the rows past it.
-    overflows = [30, 1960]
-    long_id = submit(api, long_spec(20, overflows))
+    overflows = [30, LONG_STEPS - 40]
+    long_id = submit(api, long_spec(LONG_EPOCHS, overflows))
     failed: list[int] = []
     store = LocalHandle.commit_checkpoint
 
