@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.specs.policies import POLICIES
+
 CPUINFO = Path("/proc/cpuinfo")
 
 
@@ -63,10 +65,11 @@ class CpuPrecision:
 
 
 def compute_16bit(policy: str) -> str | None:
-    """The 16-bit type a Keras policy name computes in ("float16", "bfloat16"), else None."""
-    if policy in ("mixed_float16", "float16"):
-        return "float16"
-    return "bfloat16" if "bfloat16" in policy else None
+    """The 16-bit type a Keras policy name computes in ("float16", "bfloat16"), else None
+    (float32, float64, "auto"), as the policy table says."""
+    facts = POLICIES.get(policy)
+    dtype = facts.compute_dtype if facts is not None else None
+    return dtype if dtype in ("float16", "bfloat16") else None
 
 
 def tensorflow_env(policy: str, cpu: CpuPrecision, source: Mapping[str, str]) -> dict[str, str]:
