@@ -2,14 +2,18 @@
 (TensorFlow, Keras, ``workers.training``) and TensorFlow's first look for GPUs, in a fresh
 Python process each time, as ``workers.child`` does them.
 
-Two sets of packages side by side in one run, rounds interleaved (ABAB): the installed ones,
-and the installed ones with the folders of ``--other`` in front (``pip install --target``), so
-one package's version can be compared with everything else the same. Each round reports the
-process's CPU time (user + system, from ``wait4``) and its wall time; the printout gives the
-medians and their ratio (other / installed). ``--module`` times one import alone instead.
+Two variants side by side in one run, rounds interleaved (ABAB). With ``--other``: the
+installed packages, and the installed ones with the folders of ``--other`` in front (``pip
+install --target``), so one package's version can be compared with everything else the same
+(``--module`` times one import alone instead). With ``--extras``: the child's imports as it
+makes them, Keras's optional pandas and matplotlib left out (``workers.child.KERAS_EXTRAS``),
+against the same imports with them loaded, as a child did before (they are installed here by
+the client extra). Each round reports the process's CPU time (user + system, from ``wait4``)
+and its wall time; the printout gives the medians and their ratio (B / A).
 
     .venv/bin/pip install --no-deps --target /tmp/mld-070 ml_dtypes==0.7.0
     .venv/bin/python benchmarks/child_start.py --other /tmp/mld-070 [--rounds 7]
+    .venv/bin/python benchmarks/child_start.py --extras [--rounds 7]
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ import results
 ROOT = Path(__file__).resolve().parent.parent
 
 CHILD_IMPORTS = (
-    "import tensorflow as tf\n"
-    "tf.config.list_physical_devices('GPU')\n"
+    "from workers.child import KERAS_EXTRAS, unused_by_keras\n"
+    "with unused_by_keras(KERAS_EXTRAS):\n"
+    "    import tensorflow as tf\n"
+    "    tf.config.list_physical_devices('GPU')\n"
     "import keras, ml_dtypes, workers.training\n"
     "print(ml_dtypes.__version__, tf.__version__, keras.__version__)\n"
 )
+WITH_EXTRAS = CHILD_IMPORTS.replace("unused_by_keras(KERAS_EXTRAS)", "unused_by_keras(())")
 
 
 def one(code: str, path: str | None) -> tuple[float, float, str]:
@@ -58,36 +65,44 @@ def one(code: str, path: str | None) -> tuple[float, float, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--other", required=True, help="folders to put first on PYTHONPATH")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--other", help="folders to put first on PYTHONPATH")
+    which.add_argument("--extras", action="store_true", help="without Keras's extras vs with")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--module", help="time `import MODULE` alone instead")
+    parser.add_argument("--module", help="with --other: time `import MODULE` alone instead")
     args = parser.parse_args()
     code = CHILD_IMPORTS
     if args.module:
         code = f"import {args.module} as m\nprint(getattr(m, '__version__', '?'))\n"
+    # Each variant: its name, the code it runs and the PYTHONPATH it runs it with.
+    variants: list[tuple[str, str, str | None]] = (
+        [("without extras", CHILD_IMPORTS, None), ("with extras", WITH_EXTRAS, None)]
+        if args.extras
+        else [("installed", code, None), ("other", code, args.other)]
+    )
     print(f"load average before: {os.getloadavg()[0]:.2f}")
-    one(code, None)  # a first run warms the page cache for both
-    one(code, args.other)
-    cpu: dict[str, list[float]] = {"installed": [], "other": []}
-    wall: dict[str, list[float]] = {"installed": [], "other": []}
+    for _, source, path in variants:
+        one(source, path)  # a first run warms the page cache for each
+    cpu: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+    wall: dict[str, list[float]] = {name: [] for name, _, _ in variants}
     versions: dict[str, str] = {}
     for i in range(args.rounds):
-        order = ["installed", "other"] if i % 2 == 0 else ["other", "installed"]
-        for name in order:
-            c, w, versions[name] = one(code, args.other if name == "other" else None)
+        for name, source, path in variants if i % 2 == 0 else variants[::-1]:
+            c, w, versions[name] = one(source, path)
             cpu[name].append(c)
             wall[name].append(w)
     what = f"import {args.module}" if args.module else "a training child's imports"
     print(f"{what}, {args.rounds} rounds each, interleaved; medians")
-    print(f"{'packages':<12} {'versions':<28} {'CPU s':>7} {'wall s':>7}")
-    for name in ("installed", "other"):
+    print(f"{'variant':<15} {'versions':<28} {'CPU s':>7} {'wall s':>7}")
+    for name, _, _ in variants:
         print(
-            f"{name:<12} {versions[name]:<28} {statistics.median(cpu[name]):>7.2f} "
+            f"{name:<15} {versions[name]:<28} {statistics.median(cpu[name]):>7.2f} "
             f"{statistics.median(wall[name]):>7.2f}"
         )
-    ratio_cpu = statistics.median(cpu["other"]) / statistics.median(cpu["installed"])
-    ratio_wall = statistics.median(wall["other"]) / statistics.median(wall["installed"])
-    print(f"other / installed: CPU {ratio_cpu:.2f}x, wall {ratio_wall:.2f}x")
+    (a, _, _), (b, _, _) = variants
+    ratio_cpu = statistics.median(cpu[b]) / statistics.median(cpu[a])
+    ratio_wall = statistics.median(wall[b]) / statistics.median(wall[a])
+    print(f"{b} / {a}: CPU {ratio_cpu:.2f}x, wall {ratio_wall:.2f}x")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
     if payload.get("isolation_warning"):
         print(f"halfway: warning: {payload['isolation_warning']}", flush=True)
     try:
-        with _gpu_probe_filtered(not payload.get("gpu_ids")):
+        with _gpu_probe_filtered(not payload.get("gpu_ids")), unused_by_keras(KERAS_EXTRAS):
             # TensorFlow looks for CUDA as it loads and as it first lists devices: both here.
             import tensorflow as tf
 
@@ -75,6 +75,30 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
     finally:
         conn.close()
     print("halfway: child exiting", flush=True)
+
+
+# Keras imports these as it loads when they are installed (the client extra puts them beside
+# TensorFlow on a one-host install and in the tests): pandas to accept DataFrames as inputs,
+# matplotlib for its plotting helpers. A training child gives Keras numpy arrays or a
+# tf.data.Dataset only (workers.usercode refuses anything else) and plots nothing, and the two
+# cost about 0.8 s of every child's start (docs/results.md, "A training child's start").
+KERAS_EXTRAS = ("pandas", "matplotlib")
+
+
+@contextlib.contextmanager
+def unused_by_keras(names: tuple[str, ...]) -> Iterator[None]:
+    """While the block loads TensorFlow and Keras, ``import`` of ``names`` fails as if they
+    were not installed (Python's own rule: a name mapped to None in ``sys.modules``), so Keras
+    goes without them. Afterwards they import as usual, for the user's own code."""
+    hidden = [name for name in names if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, ...) is None:
+                del sys.modules[name]
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
