@@ -30,15 +30,21 @@ import results
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CHILD_IMPORTS = (
-    "from workers.child import KERAS_EXTRAS, unused_by_keras\n"
-    "with unused_by_keras(KERAS_EXTRAS):\n"
-    "    import tensorflow as tf\n"
-    "    tf.config.list_physical_devices('GPU')\n"
-    "import keras, ml_dtypes, workers.training\n"
-    "print(ml_dtypes.__version__, tf.__version__, keras.__version__)\n"
-)
-WITH_EXTRAS = CHILD_IMPORTS.replace("unused_by_keras(KERAS_EXTRAS)", "unused_by_keras(())")
+
+def child_imports(hidden: str) -> str:
+    """The child's imports, with the names of the expression ``hidden`` kept from Keras."""
+    return (
+        "from workers.child import KERAS_EXTRAS, unused_by_keras\n"
+        f"with unused_by_keras({hidden}):\n"
+        "    import tensorflow as tf\n"
+        "    tf.config.list_physical_devices('GPU')\n"
+        "import keras, ml_dtypes, workers.training\n"
+        "print(ml_dtypes.__version__, tf.__version__, keras.__version__)\n"
+    )
+
+
+CHILD_IMPORTS = child_imports("KERAS_EXTRAS")  # as workers.child makes them
+WITH_EXTRAS = child_imports("()")  # nothing kept out: as a child made them before
 
 
 def one(code: str, path: str | None) -> tuple[float, float, str]:
