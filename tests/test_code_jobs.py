@@ -273,7 +273,7 @@ def test_only_the_training_child_imports_the_bundle(
     rows = history(live, job_id)
     assert [r["step"] for r in rows] == list(range(4))  # 64 samples / 32, two epochs
     facts = json.loads(log.split("probe: facts ", 1)[1].splitlines()[0])
-    # Keras loaded without pandas and matplotlib (a child's start is 0.8 s shorter), and the
+    # Keras loaded without pandas and matplotlib (a shorter start for every child), and the
     # user's code imported both afterwards.
     assert facts == {
         "policy": "mixed_bfloat16",

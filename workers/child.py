@@ -80,8 +80,8 @@ def run(payload: dict[str, Any], conn: Connection) -> None:
 # Keras imports these as it loads when they are installed (the client extra puts them beside
 # TensorFlow on a one-host install and in the tests): pandas to accept DataFrames as inputs,
 # matplotlib for its plotting helpers. A training child gives Keras numpy arrays or a
-# tf.data.Dataset only (workers.usercode refuses anything else) and plots nothing, and the two
-# cost about 0.8 s of every child's start (docs/results.md, "A training child's start").
+# tf.data.Dataset only (workers.usercode refuses anything else) and plots nothing, and loading
+# the two is a large share of every child's start (docs/results.md, "A training child's start").
 KERAS_EXTRAS = ("pandas", "matplotlib")
 
 
