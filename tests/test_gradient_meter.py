@@ -27,6 +27,7 @@ from service.specs.schemas import JobSpec
 from tests.training_runs import Run, run_job
 from workers.autoprecision import decide
 from workers.data import epoch_indices
+from workers.gradients import PLAIN_TRACE_STEPS, GradientMeter
 from workers.gradstats import FLOAT16_MIN_SUBNORMAL, LOG2_FLOAT16_MAX
 
 N, D, BATCH, SEED = 64, 16, 32, 7
@@ -171,6 +172,45 @@ def test_samples_fall_on_their_steps_and_only_shadow_steps_carry_shadow_figures(
     assert [s["shadow"] for s in samples] == [True, False] * 3
     assert all(s["lost_share"] is None for s in samples if not s["shadow"])
     assert all(s["lost_share"] is not None for s in samples if s["shadow"])
+
+
+def test_a_short_job_runs_its_metered_step_throughout_and_samples_only_due_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 4-5 and 10-11 are an execution with nothing due: a job this short runs them in
+    the metered step it traced at step 0 rather than trace the plain one too, and that step
+    samples only the due steps."""
+    built: list[keras.Model] = []
+    make = keras.Model.make_train_function
+
+    def counted(model: keras.Model, force: bool = False) -> Any:
+        built.append(model)
+        return make(model, force)
+
+    # Observes (and still calls) Keras's own builder, which traces one step function each.
+    monkeypatch.setattr(keras.Model, "make_train_function", counted)
+    spec = _spec(tmp_path, gradients={"every": 3, "shadow_every": 6}, training={"epochs": 6})
+    run = _run(tmp_path, spec)
+    samples = _samples(run)
+    assert [s["step"] for s in samples] == [0, 3, 6, 9]
+    assert [s["shadow"] for s in samples] == [True, False, True, False]
+    assert run.steps == list(range(12))
+    assert len(built) == 1
+
+
+def test_which_step_an_execution_runs() -> None:
+    """Sampling decides first; then a job whose plain step is not traced keeps the metered
+    one when fewer than PLAIN_TRACE_STEPS remain, never when it is not metering (auto's
+    timed probe) or its end is unknown."""
+    meter = GradientMeter([], 250, 1000, 64)
+    assert meter.metered(0, 64, set()) and meter.metered(192, 64, {True, False})  # 0, 250 due
+    assert not meter.metered(64, 64, {True})  # the end unknown: trace the plain step
+    meter.ends_at = 64 + PLAIN_TRACE_STEPS
+    assert not meter.metered(64, 64, {True})  # far enough from the end to pay for it
+    assert meter.metered(65, 64, {True})
+    assert not meter.metered(65, 64, {True, False})  # traced already: nothing to save
+    meter.active = False
+    assert not meter.metered(65, 64, {True}) and not meter.metered(0, 64, set())
 
 
 def test_the_meter_does_not_change_what_the_run_trains(tmp_path: Path) -> None:

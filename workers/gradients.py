@@ -27,6 +27,12 @@ from workers import gradstats as gs
 from workers.protocol import Sample
 
 F64 = tf.float64
+# A job with fewer steps left than this, once its metered step is traced, runs that step for
+# its remaining executions instead of tracing the plain one. The break-even is the plain
+# step's trace over what the metered step costs a step when it samples nothing (its untaken
+# branches); benchmarks/gradients.py measures it (docs/results.md), and this sits below it,
+# so a job near the line still gets the faster plain step.
+PLAIN_TRACE_STEPS = 2000
 
 
 def _count(mask: Any) -> Any:
@@ -92,6 +98,8 @@ class GradientMeter:
         width = max(len(variables), 1)
         # Host side: False keeps the meter out of every execution (the auto probe's timing).
         self.active = True
+        # The global step the job ends at (set by workers.training); None: not known.
+        self.ends_at: int | None = None
         self.count = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="gradients_n")
         self.steps = tf.Variable(tf.zeros((self.slots,), tf.int64), trainable=False)
         self.meta = tf.Variable(tf.zeros((self.slots, 2), F64), trainable=False)
@@ -117,6 +125,20 @@ class GradientMeter:
             if period > 0 and -(-first // period) * period < first + steps:
                 return True
         return False
+
+    def metered(self, first: int, steps: int, traced: set[bool]) -> bool:
+        """Host side: whether the execution of global steps ``first .. first + steps - 1``
+        runs the metered step, given which steps are ``traced`` already (True: the metered
+        one): when it samples, or when the plain step is not traced and the job is too near
+        its end for that trace to pay (``PLAIN_TRACE_STEPS``)."""
+        if self.due_within(first, steps):
+            return True
+        return (
+            self.active
+            and traced == {True}
+            and self.ends_at is not None
+            and self.ends_at - first < PLAIN_TRACE_STEPS
+        )
 
     def measure(
         self,

@@ -247,7 +247,8 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
     def make_train_function(self, force: bool = False) -> Any:
         """With a gradient meter, two compiled train functions, chosen per execution on the
         host: the metered step for an execution that holds a sampled step, the plain one
-        (no meter at all) for the others. Each is traced when first needed."""
+        (no meter at all) for the others, unless the job is too short for its trace to pay
+        (``GradientMeter.metered``). Each is traced when first needed."""
         current: Any = getattr(self, "train_function", None)  # Keras sets it untyped
         if current is not None and not force:
             return current
@@ -259,7 +260,7 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
 
         def run(iterator: Any) -> Any:
             first = int(self.recorder.count.numpy())
-            metered = meter.due_within(first, int(self.steps_per_execution))
+            metered = meter.metered(first, int(self.steps_per_execution), set(compiled))
             # Set on every call: a function traces again for a new batch shape.
             self._metered = metered
             if metered not in compiled:

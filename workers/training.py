@@ -126,6 +126,8 @@ def run_plan(ctx: RunContext, plan: Plan, device: dict[str, Any]) -> str:
         start = 0
     progress = checkpointer.restore(trainer, start) if start else None
     recorder.set_start(start)
+    if trainer.meter is not None:
+        trainer.meter.ends_at = total
     ls = spec["loss_scale"]
     guards = Guards(spec["guards"], ls["min_scale"] if ls["mode"] == "dynamic" else None)
     stream = StepStream(
