@@ -15,6 +15,10 @@ and disk writes on a shared machine only add noise). Six paths, in one process:
   never due   every = shadow_every = 10**9: a meter that no execution needs, so every
               execution runs the plain step: what the meter costs when it samples nothing
               (the host's choice of function per execution, the drain's count read)
+  metered, nothing due
+              the same meter, but every execution runs the metered step (as a job near its
+              end does rather than trace the plain step, GradientMeter.metered): what the
+              metered step's untaken branches cost a step
   stats@1     every=1, shadow_every=0: a statistics sample on every step
   shadow@1    every=0, shadow_every=1: a shadow sample (statistics and the float32 shadow
               forward/backward) on every step
@@ -23,16 +27,17 @@ With --samples 16000 an epoch is 125 steps and a round's --epochs 8 are 1000 ste
 round of ``defaults`` holds the samples of 1000 steps of a job at the defaults.
 
 Everything is traced and warmed up before timing. The paths then run interleaved: in each
-round off, off', defaults and never due train the round's epochs taking turns epoch by epoch,
-the order changing every round; stats@1 and shadow@1 train one epoch each (125 samples each)
-between off, off' and the others in one epoch slot, a different one every round. Each ratio
-is of seconds per step within a round (so under the same load) against the mean of off and
-off' (for stats@1 and shadow@1: their epochs in that same slot), and the report gives its
-median over rounds with the interquartile range and min..max, and the ratio of process CPU
-time beside it (less sensitive to other processes' load). A sample's cost in plain steps is
-that ratio minus 1 (one sample per step). From the parts, (a) is predicted as never due's
-ratio + (statistics-only samples x their cost + shadow samples x theirs) / steps, next to the
-measured one; the meter's host side (drain, figures, alarms) is timed on its own.
+round off, off', defaults, never due and metered, nothing due train the round's epochs
+taking turns epoch by epoch, the order changing every round; stats@1 and shadow@1 train one
+epoch each (125 samples each) between off, off' and the others in one epoch slot, a
+different one every round. Each ratio is of seconds per step within a round (so under the
+same load) against the mean of off and off' (for stats@1 and shadow@1: their epochs in that
+same slot), and the report gives its median over rounds with the interquartile range and
+min..max, and the ratio of process CPU time beside it (less sensitive to other processes'
+load). A sample's cost in plain steps is that ratio minus 1 (one sample per step). From the
+parts, (a) is predicted as never due's ratio + (statistics-only samples x their cost +
+shadow samples x theirs) / steps, next to the measured one; the meter's host side (drain,
+figures, alarms) is timed on its own.
 
 Then whole jobs: workers.training.train() in this process with a RunContext (as
 tests/training_runs.py runs it), the example with its default checkpoints, meter off and at
@@ -41,9 +46,12 @@ its defaults in ABBA order, --jobs pairs after an unmeasured warm-up job; buildi
 job (--job-epochs, 1000 steps, about 3 s here) and a long one (--long-job-epochs, 20,000
 steps, about a minute here, still short for a GPU server). What a job pays once is then
 measured on its own: a trainer's first two executions (the meter traces its metered step at
-step 0 and the plain step at the next execution; off traces one) minus two at the steady
-pace, --traces trainers of each kind, ABBA; in plain steps and as the job length it alone is
-3% of. Targets:
+step 0 and the plain step at the next execution; off traces one; metered only traces the
+metered step and runs it throughout) minus two at the steady pace, --traces trainers of each
+kind, in turn; in plain steps and as the job length it alone is 3% of. The plain step's trace
+(defaults minus metered only) over what a step pays in the metered step (metered, nothing
+due against never due) is the job length below which running the metered step throughout
+costs less: the break-even that workers.gradients.PLAIN_TRACE_STEPS stands for. Targets:
 
   (a)  defaults / off, seconds per step, <= 1.03 (the issue's "within 3% of a job's time")
   (a') defaults / off, the long job's seconds, <= 1.03; the short job's ratio is printed
@@ -95,6 +103,7 @@ from service.specs.schemas import GradientsSpec
 from workers import data as data_mod
 from workers.context import RunContext
 from workers.feed import epoch_dataset
+from workers.gradients import PLAIN_TRACE_STEPS
 from workers.protocol import Message
 from workers.trainer import DEFAULT_STEPS_PER_EXECUTION, build_trainer
 from workers.training import train
@@ -200,12 +209,12 @@ def main() -> None:
     # The specs' home and the jobs' checkpoints go to a scratch directory, removed afterwards.
     with tempfile.TemporaryDirectory(prefix="halfway-bench-") as scratch:
         print(machine(), flush=True)
-        missed, step_seconds = steady(args, Path(scratch))
+        missed, pace = steady(args, Path(scratch))
         lengths = [(args.job_epochs, None), (args.long_job_epochs, TARGET_DEFAULTS)]
         for epochs, target in lengths:
             if epochs > 0 and args.jobs > 0:
                 missed = whole_jobs(args, Path(scratch), epochs, target) or missed
-        missed = one_time_cost(args, Path(scratch), step_seconds) or missed
+        missed = one_time_cost(args, Path(scratch), pace) or missed
     if missed:
         print("\nMISSED: a target was missed (see the rows marked MISSED above)")
 
@@ -223,9 +232,19 @@ def divide(a: list[float], b: list[float]) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=True)]
 
 
-def steady(args: argparse.Namespace, home: Path) -> tuple[bool, float]:
-    """Seconds per step of the six paths, interleaved: whether (a) misses its target, and the
-    median seconds of a plain step."""
+@dataclass
+class Pace:
+    """From the steady rounds: a plain step's median seconds (wall, CPU), and what a step
+    pays in the metered step when nothing is due, a fraction of a step (by CPU time)."""
+
+    step: float
+    step_cpu: float
+    branches_cpu: float
+
+
+def steady(args: argparse.Namespace, home: Path) -> tuple[bool, Pace]:
+    """Seconds per step of the seven paths, interleaved: whether (a) misses its target, and
+    the pace the one-time cost is read against."""
     defaults = meter_spec(args.samples, home, None, checkpoint_every=10**9)
     every, shadow_every = defaults["gradients"]["every"], defaults["gradients"]["shadow_every"]
     data = Data.of(defaults, home)
@@ -235,6 +254,7 @@ def steady(args: argparse.Namespace, home: Path) -> tuple[bool, float]:
         ("off'", OFF),
         (f"defaults {every}/{shadow_every}", None),
         ("never due", {"every": NEVER, "shadow_every": NEVER}),
+        ("metered, nothing due", {"every": NEVER, "shadow_every": NEVER}),
         ("stats@1", {"every": 1, "shadow_every": 0}),
         ("shadow@1", {"every": 0, "shadow_every": 1}),
     ]
@@ -243,23 +263,26 @@ def steady(args: argparse.Namespace, home: Path) -> tuple[bool, float]:
     for i, (_, gradients) in enumerate(configs):
         spec = meter_spec(args.samples, home, gradients, checkpoint_every=10**9)
         path = MeterPath(spec, data, home / f"path{i}")
+        if configs[i][0].startswith("metered"):
+            assert path.built.trainer.meter is not None
+            path.built.trainer.meter.ends_at = 0  # at its end throughout: always metered
         path.run_epochs(0, warmup)  # trace, compile and warm up outside the timing
         path.reset_counts()
         meters.append(path)
-    off, _, dflt, _, stats1, shadow1 = meters
+    off, _, dflt, _, _, stats1, shadow1 = meters
     if off.built.trainer.meter is not None or dflt.built.trainer.meter is None:
         raise RuntimeError("build_trainer did not read the spec's gradients section")
     paths = [Timed(name, p.run_epochs) for (name, _), p in zip(configs, meters, strict=True)]
-    long_paths, short_paths = paths[:4], paths[4:]
+    long_paths, short_paths = paths[:5], paths[5:]
     for p in long_paths:
         p.steps_per_round = per_epoch * args.epochs
     for p in short_paths:
         p.steps_per_round = per_epoch
     print(
         f"{per_epoch} steps/epoch, steps_per_execution {off.spe}; {args.rounds} rounds, each "
-        f"of {args.epochs} epochs ({per_epoch * args.epochs} steps) for off, off', defaults and "
-        f"never due and 1 epoch for stats@1 and shadow@1; the spec's defaults: every={every}, "
-        f"shadow_every={shadow_every}",
+        f"of {args.epochs} epochs ({per_epoch * args.epochs} steps) for off, off', defaults, "
+        f"never due and metered, nothing due and 1 epoch for stats@1 and shadow@1; the spec's "
+        f"defaults: every={every}, shadow_every={shadow_every}",
         flush=True,
     )
 
@@ -270,7 +293,7 @@ def steady(args: argparse.Namespace, home: Path) -> tuple[bool, float]:
     for r in range(args.rounds):
         for p in paths:
             p.new_round()
-        order = long_paths[r % 4 :] + long_paths[: r % 4]
+        order = long_paths[r % 5 :] + long_paths[: r % 5]
         short = short_paths if r % 2 == 0 else short_paths[::-1]
         first = warmup + r * args.epochs
         for e in range(args.epochs):
@@ -344,6 +367,11 @@ def steady(args: argparse.Namespace, home: Path) -> tuple[bool, float]:
         "control: off' / off", divide(per_step(paths[1]), per_step(paths[0])), control_cpu, None
     )
     ratio_row("never due / off", fixed, ratio(paths[3], True), None)
+    # What a step pays in the metered step when nothing is due: against never due, which
+    # runs the plain step with the same meter (the same host side).
+    branches = divide(per_step(paths[4]), per_step(paths[3]))
+    branches_cpu = divide(per_step(paths[4], True), per_step(paths[3], True))
+    ratio_row("metered, nothing due / never due", branches, branches_cpu, None)
     print(
         "(the control trains two identical meterless models side by side: its distance from 1 "
         "is what this machine's noise alone gives)"
@@ -355,8 +383,8 @@ def steady(args: argparse.Namespace, home: Path) -> tuple[bool, float]:
     )
     costs: list[list[float]] = []
     for label, p in (
-        ("a statistics sample (stats@1)", paths[4]),
-        ("a shadow sample (shadow@1: stats + f32)", paths[5]),
+        ("a statistics sample (stats@1)", paths[5]),
+        ("a shadow sample (shadow@1: stats + f32)", paths[6]),
     ):
         steps = [x - 1 for x in ratio(p)]
         ms = [(t - b) * 1e3 for t, b in zip(per_step(p), base(p), strict=True)]
@@ -388,7 +416,12 @@ def steady(args: argparse.Namespace, home: Path) -> tuple[bool, float]:
             f"  {p.name:<20} meter {meter_s / wall:6.2%}{each}; "
             f"whole StepStream {m.stream.host_seconds / wall:6.2%}"
         )
-    return missed, statistics.median(base(paths[0]))
+    pace = Pace(
+        statistics.median(base(paths[0])),
+        statistics.median(base(paths[0], True)),
+        statistics.median(branches_cpu) - 1,
+    )
+    return missed, pace
 
 
 def whole_jobs(args: argparse.Namespace, home: Path, epochs: int, target: float | None) -> bool:
@@ -446,21 +479,25 @@ def whole_jobs(args: argparse.Namespace, home: Path, epochs: int, target: float 
     )
 
 
-def one_time_cost(args: argparse.Namespace, home: Path, step_seconds: float) -> bool:
+def one_time_cost(args: argparse.Namespace, home: Path, pace: Pace) -> bool:
     """What a job pays once: its first two executions (each traces a step function: the
-    metered one at step 0, then the plain one; off traces one) minus two executions at the
-    steady pace, a trainer built afresh each time, ABBA. Prints the job length that cost alone
-    is 3% of; never misses a target itself."""
-    names = ["off", "defaults"]
-    specs = {n: meter_spec(args.samples, home, None if n == "defaults" else OFF) for n in names}
+    metered one at step 0, then the plain one; off traces one; metered only, one) minus two
+    executions at the kind's own steady pace, a trainer built afresh each time, the kinds in
+    turn. Prints the job length that the meter's part alone is 3% of, and the plain step's
+    trace against what the metered step costs a step; never misses a target itself."""
+    names = ["off", "defaults", "metered only"]
+    specs = {n: meter_spec(args.samples, home, OFF if n == "off" else None) for n in names}
     arrays = data_mod.load_arrays(specs["off"]["data"], specs["off"]["training"], home)
     x_all, y_all = tf.constant(arrays.x_train), tf.constant(arrays.y_train)
     order = data_mod.epoch_indices(len(arrays.x_train), BATCH, None, 0, 0)
     spe = min(DEFAULT_STEPS_PER_EXECUTION, len(order))
     once: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     for j in range(args.traces):
-        for name in _abba(names, j):
+        for name in names[j % 3 :] + names[: j % 3]:
             built = build_trainer(specs[name], (784,), 10, spe)
+            meter = built.trainer.meter
+            if meter is not None and name == "metered only":
+                meter.ends_at = 0  # at its end throughout: never traces the plain step
             built.trainer.make_train_function()
             iterator = iter(epoch_dataset(x_all, y_all, order, BATCH, 0).repeat())
             took = []
@@ -468,10 +505,10 @@ def one_time_cost(args: argparse.Namespace, home: Path, step_seconds: float) -> 
                 start, start_cpu = time.perf_counter(), time.process_time()
                 built.trainer.train_function(iterator)
                 took.append((time.perf_counter() - start, time.process_time() - start_cpu))
-                if built.trainer.meter is not None:
-                    built.trainer.meter.drain()  # as the stream does after each execution
-            pace = [statistics.median(t[k] for t in took[2:]) for k in (0, 1)]
-            wall_once, cpu_once = (took[0][k] + took[1][k] - 2 * pace[k] for k in (0, 1))
+                if meter is not None:
+                    meter.drain()  # as the stream does after each execution
+            steady_pace = [statistics.median(t[k] for t in took[2:]) for k in (0, 1)]
+            wall_once, cpu_once = (took[0][k] + took[1][k] - 2 * steady_pace[k] for k in (0, 1))
             once[name].append((wall_once, cpu_once))
     first = {
         n: [statistics.median(w for w, _ in once[n]), statistics.median(c for _, c in once[n])]
@@ -480,11 +517,21 @@ def one_time_cost(args: argparse.Namespace, home: Path, step_seconds: float) -> 
     extra, extra_cpu = (first["defaults"][k] - first["off"][k] for k in (0, 1))
     print(
         f"\none-time cost, the first two executions minus two at the steady pace (median of "
-        f"{args.traces}): off "
-        f"{first['off'][0]:.2f} s, defaults {first['defaults'][0]:.2f} s (CPU "
-        f"{first['off'][1]:.2f} s, {first['defaults'][1]:.2f} s): the meter's graph adds "
-        f"{extra:+.2f} s (CPU {extra_cpu:+.2f} s), ~{extra / step_seconds:+.0f} plain steps; "
-        f"that alone is 3% of a job that trains {extra / 0.03:.0f} s"
+        f"{args.traces}), wall s (CPU s): "
+        + ", ".join(f"{n} {first[n][0]:.2f} ({first[n][1]:.2f})" for n in names)
+    )
+    print(
+        f"  the meter's graphs add {extra:+.2f} s (CPU {extra_cpu:+.2f} s), "
+        f"~{extra / pace.step:+.0f} plain steps; that alone is 3% of a job that trains "
+        f"{extra / 0.03:.0f} s"
+    )
+    plain_cpu = first["defaults"][1] - first["metered only"][1]
+    per_step = pace.branches_cpu * pace.step_cpu
+    even = f"{plain_cpu / per_step:.0f} steps" if per_step > 0 else "never (no cost measured)"
+    print(
+        f"  the plain step's trace, defaults minus metered only: CPU {plain_cpu:.2f} s; the "
+        f"metered step costs a step {pace.branches_cpu:+.1%} ({per_step * 1e3:.3f} ms CPU): "
+        f"break-even at {even} (PLAIN_TRACE_STEPS = {PLAIN_TRACE_STEPS})"
     )
     return False
 
