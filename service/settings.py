@@ -63,10 +63,16 @@ class Settings(BaseSettings):
     cancel_grace_seconds: float = Field(default=10.0, ge=0)
     history_flush_seconds: float = Field(default=0.5, gt=0)
     hang_timeout_seconds: float = Field(
-        default=600.0, gt=0, description="A child silent for this long is killed."
+        default=600.0,
+        gt=0,
+        description="A training child silent for this long is killed (not while it compiles "
+        "a step function: the start-up grace applies then).",
     )
     startup_timeout_seconds: float = Field(
-        default=900.0, gt=0, description="Grace for importing TensorFlow and loading data."
+        default=900.0,
+        gt=0,
+        description="Grace for importing TensorFlow, loading data and building, and for each "
+        "step function's trace and compile.",
     )
 
     # Limits checked at submission, so a worker never tries an absurd job.

@@ -285,6 +285,58 @@ def test_only_the_training_child_imports_the_bundle(
     assert "probe" not in {m.split(".")[0] for m in __import__("sys").modules}
 
 
+SLOW_TO_TRACE = {
+    "slow/__init__.py": "",
+    "slow/model.py": (
+        "import time\n"
+        "\n"
+        "import keras\n"
+        "import numpy as np\n"
+        "\n"
+        "\n"
+        "class SlowToTrace(keras.layers.Layer):\n"
+        "    # call() runs when TensorFlow traces a step, not at every step: its sleep stands\n"
+        "    # for the trace and compile of a big model.\n"
+        "    def call(self, x):\n"
+        "        time.sleep(2)\n"
+        "        return x\n"
+        "\n"
+        "\n"
+        "def build(args):\n"
+        "    rng = np.random.default_rng(0)\n"
+        "    x = rng.normal(size=(64, 4)).astype('float32')\n"
+        "    y = (x.sum(axis=1) > 0).astype('int32')\n"
+        "    dense = keras.layers.Dense(2, activation='softmax')\n"
+        "    layers = [keras.Input((4,)), SlowToTrace(), dense]\n"
+        "    return {'model': keras.Sequential(layers), 'train': (x, y)}\n"
+    ),
+}
+
+
+def test_compiling_a_step_function_counts_as_starting_not_as_a_hang(
+    live: Live, db: Database, settings: Settings, tmp_path: Path
+) -> None:
+    """Training's limit is shorter than the first execution's trace here (the step's forward
+    pass and the meter's float32 shadow each call the layer once while tracing, 4 s in all);
+    the child says it is compiling, so the start-up limit, at its default, covers it."""
+    settings.hang_timeout_seconds = 3
+    digest = push(live, bundle_dir(tmp_path, SLOW_TO_TRACE))
+    spec = {
+        "code": {"bundle": digest, "entrypoint": "slow.model:build"},
+        "training": {"epochs": 2},
+        "outputs": {"save_model": False},
+    }
+    job_id = live.api("POST", "/v1/jobs", live.team.admin, json=spec)["id"]
+    supervisor, thread = run_worker(db, settings)
+    try:
+        job = wait_for(live, job_id)
+    finally:
+        supervisor.stop()
+        thread.join(timeout=60)
+    assert job["status"] == "succeeded", job["error"]
+    assert [r["step"] for r in history(live, job_id)] == list(range(4))
+
+
 FAILING = {
     "bad/__init__.py": "",
     "bad/train.py": (

@@ -52,6 +52,7 @@ class Attempt:
     steps_per_second: float | None = None
     done: Done | None = None
     started: bool = False
+    compiling: bool = False  # said "compiling" and nothing since (the watchdog's grace)
     cancel_requested: bool = False
     shutting_down: bool = False
     # A waiting job's request that this attempt stop (service/scheduling/preemption.py): it then

@@ -21,6 +21,14 @@ class Started(TypedDict):
     device: dict[str, Any]
 
 
+class Compiling(TypedDict):
+    """Sent before a step function's first call, which traces and compiles it: for a big
+    model that can take minutes, and the supervisor's watchdog counts it as starting up."""
+
+    type: Literal["compiling"]
+    what: str
+
+
 class Steps(TypedDict):
     type: Literal["steps"]
     # (step, epoch, loss, loss_scale, finite) per step, in step order.
@@ -143,6 +151,7 @@ class Done(TypedDict):
 
 Message = (
     Started
+    | Compiling
     | Steps
     | EpochMetrics
     | Checkpointed

@@ -12,6 +12,7 @@ steps instead of one per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +189,9 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         # Which train function is being traced: the metered one or the plain one (see
         # make_train_function). Read while tracing.
         self._metered = True
+        # Told before a step function's first call, which traces and compiles it (set by
+        # workers.training, to tell the supervisor: the watchdog counts that as starting).
+        self.on_compile: Callable[[str], None] | None = None
         self._fault_steps = tf.constant(sorted(fault_steps), tf.int64) if fault_steps else None
         self._fault_variables = list(fault_variables or [])
 
@@ -248,28 +252,49 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         """With a gradient meter, two compiled train functions, chosen per execution on the
         host: the metered step for an execution that holds a sampled step, the plain one
         (no meter at all) for the others, unless the job is too short for its trace to pay
-        (``GradientMeter.metered``). Each is traced when first needed."""
+        (``GradientMeter.metered``). Each is traced when first needed, said first
+        (``on_compile``)."""
         current: Any = getattr(self, "train_function", None)  # Keras sets it untyped
         if current is not None and not force:
             return current
         meter = self.meter
-        if meter is None:
-            self._metered = False
-            return super().make_train_function(force)
         compiled: dict[bool, Any] = {}
 
         def run(iterator: Any) -> Any:
-            first = int(self.recorder.count.numpy())
-            metered = meter.metered(first, int(self.steps_per_execution), set(compiled))
+            metered = False
+            if meter is not None:
+                first = int(self.recorder.count.numpy())
+                metered = meter.metered(first, int(self.steps_per_execution), set(compiled))
             # Set on every call: a function traces again for a new batch shape.
             self._metered = metered
             if metered not in compiled:
                 super(HalfwayTrainer, self).make_train_function(force=True)
                 compiled[metered] = getattr(self, "train_function")  # noqa: B009
                 self.train_function = run
+                if self.on_compile is not None:
+                    self.on_compile("the metered train step" if metered else "the train step")
             return compiled[metered](iterator)
 
         self.train_function = run
+        return run
+
+    def make_test_function(self, force: bool = False) -> Any:
+        """Keras's, said (``on_compile``) before its first call traces it: the validation
+        at the end of the first epoch."""
+        current: Any = getattr(self, "test_function", None)
+        if current is not None and not force:
+            return current
+        function = super().make_test_function(force)
+        called = False
+
+        def run(iterator: Any) -> Any:
+            nonlocal called
+            if not called and self.on_compile is not None:
+                self.on_compile("the validation step")
+            called = True
+            return function(iterator)
+
+        self.test_function = run
         return run
 
     def _shadow(self, x: Any, y: Any, sample_weight: Any, state: list[Any]) -> list[Any]:

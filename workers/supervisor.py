@@ -284,6 +284,7 @@ class Supervisor:
 
     def _handle(self, run: Attempt, msg: Message, handle: Handle) -> None:
         run.last_message = time.monotonic()
+        run.compiling = msg["type"] == "compiling"
         if msg["type"] == "steps":
             run.pending.extend(StepRecord(*r) for r in msg["records"])
             if msg["steps_per_second"] is not None:
@@ -397,11 +398,21 @@ class Supervisor:
             and now - run.signalled_at > s.cancel_grace_seconds
         ):
             process.kill()
-        limit = s.hang_timeout_seconds if run.started else s.startup_timeout_seconds
+        # Tracing and compiling a step function is starting up, however long a big model's
+        # compile takes: the child says so first, and training's limit applies again from
+        # its next message.
+        training = run.started and not run.compiling
+        limit = s.hang_timeout_seconds if training else s.startup_timeout_seconds
         if process.alive() and run.signalled_at is None and now - run.last_message > limit:
+            phase = (
+                "during training"
+                if training
+                else "while compiling a step function"
+                if run.compiling
+                else "while starting"
+            )
             run.hang_error = (
-                f"no progress from the training process for {limit:.0f} s "
-                f"({'during training' if run.started else 'while starting'}); it was killed"
+                f"no progress from the training process for {limit:.0f} s ({phase}); it was killed"
             )
             process.kill()
 

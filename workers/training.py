@@ -128,6 +128,7 @@ def run_plan(ctx: RunContext, plan: Plan, device: dict[str, Any]) -> str:
     recorder.set_start(start)
     if trainer.meter is not None:
         trainer.meter.ends_at = total
+    trainer.on_compile = lambda what: ctx.emit({"type": "compiling", "what": what})
     ls = spec["loss_scale"]
     guards = Guards(spec["guards"], ls["min_scale"] if ls["mode"] == "dynamic" else None)
     stream = StepStream(
