@@ -35,8 +35,9 @@ same load) against the mean of off and off' (for stats@1 and shadow@1: their epo
 same slot), and the report gives its median over rounds with the interquartile range and
 min..max, and the ratio of process CPU time beside it (less sensitive to other processes'
 load). A sample's cost in plain steps is that ratio minus 1 (one sample per step). From the
-parts, (a) is predicted as never due's ratio + (statistics-only samples x their cost +
-shadow samples x theirs) / steps, next to the measured one; the meter's host side (drain,
+parts, (a) is predicted as never due's ratio + (the unsampled steps of the executions that run
+the metered step x its untaken branches' cost + statistics-only samples x their cost + shadow
+samples x theirs) / steps, next to the measured one; the meter's host side (drain,
 figures, alarms) is timed on its own.
 
 Then whole jobs: workers.training.train() in this process with a RunContext (as
@@ -399,14 +400,26 @@ def steady(args: argparse.Namespace, home: Path) -> tuple[bool, Pace]:
         "by CPU s: the same from CPU seconds)"
     )
 
-    # (a) from its parts: the meter's cost on every step, then each sample at its price.
+    # (a) from its parts: never due's cost on every step; the metered step's untaken branches
+    # on every other step of an execution that holds a sample (the host runs the metered step
+    # for all of it); each sample at its price in plain steps.
+    meter = dflt.built.trainer.meter
+    assert meter is not None
+    in_metered = 0
+    for epoch in range(warmup, warmup + args.rounds * args.epochs):
+        for start in range(0, per_epoch, dflt.spe):
+            length = min(dflt.spe, per_epoch - start)
+            if meter.due_within(epoch * per_epoch + start, length):
+                in_metered += length
     stats_only = samples - shadows
     x, y, f = (statistics.median(v) for v in (stat_steps, shadow_steps, fixed))
-    predicted = f + (stats_only * x + shadows * y) / timed_steps
+    b = statistics.median(branches) - 1
+    predicted = f + ((in_metered - samples) * b + stats_only * x + shadows * y) / timed_steps
     print(
-        f"\n(a) from its parts: never due {f:.3f} + ({stats_only} statistics samples x {x:.2f} "
-        f"+ {shadows} shadow samples x {y:.2f} steps) / {timed_steps} steps = {predicted:.3f}; "
-        f"measured {statistics.median(a):.3f}"
+        f"\n(a) from its parts: never due {f:.3f} + ({in_metered - samples} unsampled steps of "
+        f"metered executions x {b:.3f} + {stats_only} statistics samples x {x:.2f} + {shadows} "
+        f"shadow samples x {y:.2f} steps) / {timed_steps} steps = {predicted:.3f}; measured "
+        f"{statistics.median(a):.3f}"
     )
     print("the meter's host side (drain, figures, alarms), as a share of each path's time:")
     for p, m in zip(paths[2:], meters[2:], strict=True):
