@@ -284,7 +284,8 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         current: Any = getattr(self, "test_function", None)
         if current is not None and not force:
             return current
-        function = super().make_test_function(force)
+        super().make_test_function(force)  # Keras's sets test_function and returns None
+        function = getattr(self, "test_function")  # noqa: B009
         called = False
 
         def run(iterator: Any) -> Any:
