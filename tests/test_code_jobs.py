@@ -235,11 +235,17 @@ def bundle_dir(tmp_path: Path, files: dict[str, str]) -> Path:
     return root
 
 
-def run_worker(db: Database, settings: Settings) -> tuple[Supervisor, threading.Thread]:
+def run_until_done(live: Live, db: Database, settings: Settings, job_id: int) -> dict[str, Any]:
+    """A worker of this test's own (``settings`` as the test set them) runs until the job
+    ends; the job as the API then shows it."""
     supervisor = Supervisor(db, settings)
     thread = threading.Thread(target=supervisor.run_forever, daemon=True)
     thread.start()
-    return supervisor, thread
+    try:
+        return wait_for(live, job_id)
+    finally:
+        supervisor.stop()
+        thread.join(timeout=60)
 
 
 def test_only_the_training_child_imports_the_bundle(
@@ -258,12 +264,7 @@ def test_only_the_training_child_imports_the_bundle(
     live.api("POST", "/v1/jobs?dry_run=true", live.team.admin, json=spec)
     job_id = live.api("POST", "/v1/jobs", live.team.admin, json=spec)["id"]
     assert not marker.exists(), "the API imported the bundle"
-    supervisor, thread = run_worker(db, settings)
-    try:
-        job = wait_for(live, job_id)
-    finally:
-        supervisor.stop()
-        thread.join(timeout=60)
+    job = run_until_done(live, db, settings, job_id)
     assert job["status"] == "succeeded", job["error"]
     # Imported once, by the training child (which says so in its log), and never by this
     # process, which ran the API and the supervisor with the marker variable set.
@@ -327,12 +328,7 @@ def test_compiling_a_step_function_counts_as_starting_not_as_a_hang(
         "outputs": {"save_model": False},
     }
     job_id = live.api("POST", "/v1/jobs", live.team.admin, json=spec)["id"]
-    supervisor, thread = run_worker(db, settings)
-    try:
-        job = wait_for(live, job_id)
-    finally:
-        supervisor.stop()
-        thread.join(timeout=60)
+    job = run_until_done(live, db, settings, job_id)
     assert job["status"] == "succeeded", job["error"]
     assert [r["step"] for r in history(live, job_id)] == list(range(4))
 

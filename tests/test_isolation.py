@@ -22,7 +22,7 @@ from service.files import code
 from service.people import grants
 from service.settings import Settings
 from tests.live import Live
-from tests.test_code_jobs import bundle_dir, job_log, push, run_worker, wait_for
+from tests.test_code_jobs import bundle_dir, job_log, push, run_until_done
 from workers import sandbox
 
 pytestmark = pytest.mark.keras
@@ -176,12 +176,7 @@ def test_a_hostile_bundle_reaches_no_secret_no_database_no_other_file_and_leaves
         "training": {"epochs": 1},
     }
     job_id = live.submit(spec, live.team.alice)
-    supervisor, thread = run_worker(db, settings)
-    try:
-        job = wait_for(live, job_id)
-    finally:
-        supervisor.stop()
-        thread.join(timeout=60)
+    job = run_until_done(live, db, settings, job_id)
     assert job["status"] == "succeeded", job["error"]
     log = job_log(live, job_id)
 
