@@ -52,7 +52,8 @@ class Attempt:
     steps_per_second: float | None = None
     done: Done | None = None
     started: bool = False
-    compiling: bool = False  # said "compiling" and nothing since (the watchdog's grace)
+    # What the child said it is compiling, until its next message (the watchdog's grace).
+    compiling: str | None = None
     cancel_requested: bool = False
     shutting_down: bool = False
     # A waiting job's request that this attempt stop (service/scheduling/preemption.py): it then

@@ -269,10 +269,10 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
             self._metered = metered
             if metered not in compiled:
                 super(HalfwayTrainer, self).make_train_function(force=True)
-                compiled[metered] = getattr(self, "train_function")  # noqa: B009
+                made = getattr(self, "train_function")  # noqa: B009
+                what = "the metered train step" if metered else "the train step"
+                compiled[metered] = self._announced(made, what)
                 self.train_function = run
-                if self.on_compile is not None:
-                    self.on_compile("the metered train step" if metered else "the train step")
             return compiled[metered](iterator)
 
         self.train_function = run
@@ -285,18 +285,22 @@ class HalfwayTrainer(keras.Model):  # type: ignore[misc]
         if current is not None and not force:
             return current
         super().make_test_function(force)  # Keras's sets test_function and returns None
-        function = getattr(self, "test_function")  # noqa: B009
+        made = getattr(self, "test_function")  # noqa: B009
+        self.test_function = self._announced(made, "the validation step")
+        return self.test_function
+
+    def _announced(self, function: Any, what: str) -> Any:
+        """``function``, telling ``on_compile`` before its first call (which traces it)."""
         called = False
 
-        def run(iterator: Any) -> Any:
+        def call(iterator: Any) -> Any:
             nonlocal called
             if not called and self.on_compile is not None:
-                self.on_compile("the validation step")
+                self.on_compile(what)
             called = True
             return function(iterator)
 
-        self.test_function = run
-        return run
+        return call
 
     def _shadow(self, x: Any, y: Any, sample_weight: Any, state: list[Any]) -> list[Any]:
         """The float32 shadow's gradients, unscaled, in ``trainable_variables``' order: the

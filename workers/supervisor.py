@@ -284,7 +284,7 @@ class Supervisor:
 
     def _handle(self, run: Attempt, msg: Message, handle: Handle) -> None:
         run.last_message = time.monotonic()
-        run.compiling = msg["type"] == "compiling"
+        run.compiling = msg["what"] if msg["type"] == "compiling" else None
         if msg["type"] == "steps":
             run.pending.extend(StepRecord(*r) for r in msg["records"])
             if msg["steps_per_second"] is not None:
@@ -401,16 +401,13 @@ class Supervisor:
         # Tracing and compiling a step function is starting up, however long a big model's
         # compile takes: the child says so first, and training's limit applies again from
         # its next message.
-        training = run.started and not run.compiling
-        limit = s.hang_timeout_seconds if training else s.startup_timeout_seconds
+        if not run.started:
+            limit, phase = s.startup_timeout_seconds, "while starting"
+        elif run.compiling is not None:
+            limit, phase = s.startup_timeout_seconds, f"while compiling {run.compiling}"
+        else:
+            limit, phase = s.hang_timeout_seconds, "during training"
         if process.alive() and run.signalled_at is None and now - run.last_message > limit:
-            phase = (
-                "during training"
-                if training
-                else "while compiling a step function"
-                if run.compiling
-                else "while starting"
-            )
             run.hang_error = (
                 f"no progress from the training process for {limit:.0f} s ({phase}); it was killed"
             )
