@@ -213,6 +213,36 @@ def test_which_step_an_execution_runs() -> None:
     assert not meter.metered(65, 64, {True}) and not meter.metered(0, 64, set())
 
 
+def test_the_meters_branch_is_a_function_call_that_runs_only_when_taken() -> None:
+    """The meter's cond stays a functional If (TensorFlow lowers a cond in a function to
+    switch and merge nodes, whose untaken side every step still walks); a cond built the
+    usual way beside it is lowered, so the check can tell the two apart."""
+    import tensorflow as tf
+
+    weights = [tf.Variable(tf.ones((3, 2))), tf.Variable(tf.ones((2,)))]
+    meter = GradientMeter(weights, 2, 0, 4)
+
+    def measured(count: Any) -> Any:
+        grads = [w * 0.5 for w in weights]
+        meter.measure(count, tf.constant(1.0), grads, None)
+        return tf.cond(count > 0, lambda: count + 1, lambda: count - 1)  # the usual kind
+
+    step = tf.function(measured)
+    graph = step.get_concrete_function(tf.TensorSpec((), tf.int64)).graph
+    lowered = {
+        op.name: bool(op.node_def.attr["_lower_using_switch_merge"].b)
+        if "_lower_using_switch_merge" in op.node_def.attr
+        else False
+        for op in graph.get_operations()
+        if op.type in ("If", "StatelessIf")
+    }
+    assert sorted(lowered.values()) == [False, True], lowered
+    # And it samples the due step, and only that one.
+    for count in range(4):
+        step(tf.constant(count, tf.int64))
+    assert [s["step"] for s in meter.drain()] == [0, 2]
+
+
 def test_the_meter_does_not_change_what_the_run_trains(tmp_path: Path) -> None:
     """The shadow reads the step's state and writes nothing: the same losses with it and
     without it, dropout included."""

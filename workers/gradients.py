@@ -22,6 +22,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util_v2
 
 from workers import gradstats as gs
 from workers.protocol import Sample
@@ -67,6 +68,22 @@ def shadow_counts(g: Any, g32: Any, scale: Any) -> list[Any]:
         tf.reduce_sum(tf.square(g / s - ref)),
         tf.reduce_sum(tf.square(ref)),
     ]
+
+
+@contextlib.contextmanager
+def functional_conds() -> Iterator[None]:
+    """While tracing: ``tf.cond`` builds an ``If`` that runs only the branch it takes, as a
+    function call, instead of being lowered to switch and merge nodes. Lowered, every step
+    pays for the meter's untaken branches: each of their nodes (the shadow's whole forward and
+    backward pass among them) is visited to mark it dead. benchmarks/gradients.py measures
+    what the untaken branches cost ("metered, nothing due"). TensorFlow has no public switch
+    for this; the flag is read only while a cond is built, and XLA ignores it."""
+    saved = control_flow_util_v2._DISABLE_LOWER_USING_SWITCH_MERGE
+    control_flow_util_v2._DISABLE_LOWER_USING_SWITCH_MERGE = True
+    try:
+        yield
+    finally:
+        control_flow_util_v2._DISABLE_LOWER_USING_SWITCH_MERGE = saved
 
 
 @contextlib.contextmanager
@@ -193,7 +210,8 @@ class GradientMeter:
             self.count.assign_add(1)
             return tf.constant(True)
 
-        tf.cond(sample_due, write, lambda: tf.constant(False))
+        with functional_conds():
+            tf.cond(sample_due, write, lambda: tf.constant(False))
 
     def drain(self) -> list[Sample]:
         """Host side: the samples taken since the last drain, in step order."""
