@@ -33,7 +33,7 @@ F64 = tf.float64
 # step's trace over what the metered step costs a step when it samples nothing (its untaken
 # branches); benchmarks/gradients.py measures it (docs/results.md), and this sits below it,
 # so a job near the line still gets the faster plain step.
-PLAIN_TRACE_STEPS = 2000
+PLAIN_TRACE_STEPS = 4000
 
 
 def _count(mask: Any) -> Any:
