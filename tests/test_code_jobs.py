@@ -423,7 +423,9 @@ def test_sigkilled_worker_resumes_a_code_job_with_no_gap_and_no_duplicate(
     spec = example_spec(push(live, EXAMPLE / "bundle"))
     spec["training"] = {"epochs": 12, "steps_per_execution": 10, "checkpoint_every": 150}
     spec["code"]["args"]["decay_steps"] = 1200
-    spec["faults"] = {"nonfinite_at_steps": [30, 700]}
+    # The first attempt stops at step 605, past the checkpoint awaited below, so the SIGKILL
+    # lands while it still runs however fast the machine is; the resumed attempt goes on.
+    spec["faults"] = {"nonfinite_at_steps": [30, 700], "hang_at_step": 605, "crash_attempts": [1]}
     spec["gradients"] = {"every": 50, "shadow_every": 150}
     job_id = live.api("POST", "/v1/jobs", live.team.admin, json=spec)["id"]
     total = 12 * 100

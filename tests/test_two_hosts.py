@@ -84,7 +84,13 @@ def test_a_job_killed_on_one_host_resumes_on_another_from_the_stores_checkpoint(
             "checkpoint_every": 200,
         },
         "loss_scale": {"growth_steps": 150},
-        "faults": {"nonfinite_at_steps": [30, 700, 701, 1500]},
+        # Host A's attempt stops at step 905, past the checkpoint awaited below, so the
+        # SIGKILL lands while it still runs however fast the machine is.
+        "faults": {
+            "nonfinite_at_steps": [30, 700, 701, 1500],
+            "hang_at_step": 905,
+            "crash_attempts": [1],
+        },
     }
     job_id = api.post("/v1/jobs", json=spec).json()["id"]
     total = 20 * 100
