@@ -24,6 +24,9 @@ down_revision: str | None = "0007"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+# The figures' columns as of this revision: a migration keeps its own copy rather than import
+# service.vocabulary.GRADIENT_FIGURES, so that a later change there cannot rewrite what this
+# revision created.
 FIGURES = (
     "zero_share",
     "log2_max",
