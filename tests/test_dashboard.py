@@ -159,6 +159,10 @@ class Dashboard:
         """The requests for one path (any query), in order."""
         return [r for r in list(self.requests) if urlsplit(r.url).path == path]
 
+    def pending_to(self, path: str) -> list[Request]:
+        """The requests for one path (any query) not yet answered."""
+        return [r for r, p in list(self.pending.items()) if p == path]
+
     def job_polls(self, job_id: int) -> list[Request]:
         return self.requests_to(f"/v1/jobs/{job_id}")
 
@@ -632,11 +636,29 @@ def test_a_hidden_tab_closes_the_stream_and_goes_on_from_the_last_event_when_sho
     expect(loss_chart).to_have_attribute("data-points", "100")
     wait_until(dash.page, lambda: stream_answered(dash, job_id) == 1)
 
+    # The tab is hidden while a refresh is under way: the refresh's job-list poll is held
+    # until then. It goes on after the switch and must not reopen the stream, as it did when
+    # a full run's timing let a refresh straddle the switch.
+    held: list[Route] = []
+
+    def list_polls(url: str) -> bool:
+        return urlsplit(url).path == "/v1/jobs"
+
+    def hold_the_first(route: Route) -> None:
+        if held:
+            route.continue_()
+        else:
+            held.append(route)
+
+    dash.page.route(list_polls, hold_the_first)
+    wait_until(dash.page, lambda: held)
     aborted: list[str] = []
     dash.page.on("requestfailed", lambda r: aborted.append(r.url) if "/events" in r.url else None)
     set_hidden(dash.page, True)
     wait_until(dash.page, lambda: aborted)
     write(db, job_id, records(100, 60))
+    held[0].continue_()
+    wait_until(dash.page, lambda: not dash.pending_to("/v1/jobs"))
     dash.page.wait_for_timeout(2000)  # the server sends rows within a second to a listener
     expect(loss_chart).to_have_attribute("data-points", "100")
     expect(dash.page.locator("#live")).to_have_attribute("data-state", "paused")

@@ -83,6 +83,12 @@ function closeConnection() {
 /** One connection, from fetch to the end of its body; a failure leads to streamFailed. */
 async function connect(hist) {
   clearTimeout(stream.timer);
+  if (document.hidden) {
+    // A hidden tab holds no stream open. A refresh that began before the tab was hidden
+    // (awaiting the job list) or a backoff timer ends here; being shown again reconnects.
+    stream.state = "paused";
+    return;
+  }
   const controller = new AbortController();
   stream.controller = controller;
   stream.state = "connecting";
